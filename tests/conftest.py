@@ -1,0 +1,11 @@
+"""Test-session setup.
+
+Eight host (CPU) devices, so the sharding tests can build real meshes on any
+machine. This must happen before JAX is first imported.
+"""
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
