@@ -7,3 +7,74 @@ __all__ = [
     "half_dtype",
     "parse_dtype",
 ]
+
+# --- policies (begin) ---
+from ._policy import Policy, cast_to_full, cast_to_half, get_policy
+
+__all__ += ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
+# --- policies (end) ---
+
+# --- amp (begin) ---
+from ._amp import amp
+from ._rules import (
+    default_amp_policy,
+    use_compute_precision,
+    use_current_precision,
+    use_original_precision,
+    use_precision,
+    use_widest_precision,
+)
+from ._scopes import amp_stop
+
+__all__ += [
+    "amp",
+    "amp_stop",
+    "default_amp_policy",
+    "use_compute_precision",
+    "use_current_precision",
+    "use_original_precision",
+    "use_precision",
+    "use_widest_precision",
+]
+# --- amp (end) ---
+
+# --- loss scaling (begin) ---
+from ._dynamic_scaler import (
+    DynamicLossScaler,
+    DynamicScalerState,
+    dynamic_scale_grad,
+    dynamic_scale_tx,
+    dynamic_scale_value_and_grad,
+)
+from ._finite import all_finite, select_tree
+from ._grad_scaler import GradScaler
+from ._loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    register_empty_pytree,
+    warn_if_not_floating,
+)
+from ._optax import SkipNonFiniteState, apply_if_finite_updates, skip_nonfinite_updates
+
+__all__ += [
+    "DynamicLossScale",
+    "DynamicLossScaler",
+    "DynamicScalerState",
+    "GradScaler",
+    "LossScale",
+    "NoOpLossScale",
+    "SkipNonFiniteState",
+    "StaticLossScale",
+    "all_finite",
+    "apply_if_finite_updates",
+    "dynamic_scale_grad",
+    "dynamic_scale_tx",
+    "dynamic_scale_value_and_grad",
+    "register_empty_pytree",
+    "select_tree",
+    "skip_nonfinite_updates",
+    "warn_if_not_floating",
+]
+# --- loss scaling (end) ---

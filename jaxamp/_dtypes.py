@@ -118,6 +118,10 @@ def canonical_compute_dtype(value: Any, *, argname: str = "compute_dtype") -> np
                 ) from None
     else:
         try:
+            # np.dtype(None) is float64, which would report "got float64" for a
+            # missing dtype: treat None as the non-dtype it is.
+            if value is None:
+                raise TypeError
             dtype = np.dtype(value)
         except TypeError:
             raise TypeError(

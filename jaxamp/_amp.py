@@ -1,0 +1,144 @@
+"""`amp`: trace a function to a jaxpr and re-run it in mixed precision."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat
+from ._dtypes import canonical_compute_dtype
+from ._interpreter import AmpContext, interpret
+from ._rules import cast_value, default_amp_policy
+
+__all__ = ["amp"]
+
+_UNSET: Any = object()
+
+
+def amp(
+    fn: Callable | None = None,
+    *,
+    compute_dtype: Any = _UNSET,
+    amp_policy: Mapping[Any, Callable] | None = None,
+    policy: Any = None,
+) -> Callable:
+    """Make `fn` run in mixed precision.
+
+    `fn` is traced to a jaxpr and every equation, including those inside jit'd
+    functions, scans, while loops, conds, remat blocks, custom_jvp/custom_vjp
+    rules and shard_map bodies, is re-run with its operands cast by the rule
+    `amp_policy` picks for it. Array outputs come back in the dtypes `fn` itself
+    returns.
+
+    Usable as ``amp(f)``, ``amp(f, compute_dtype="bf16")``, ``@amp`` and
+    ``@amp(compute_dtype=jnp.bfloat16)``.
+
+    Args:
+        fn: the function. Array leaves of its arguments are traced; everything
+            else (Python scalars, strings, callables, Equinox static fields) is
+            static, as `equinox.filter_make_jaxpr` treats them.
+        compute_dtype: the low-precision dtype (``jnp.float16`` by default,
+            ``jnp.bfloat16``, or a name: ``"bf16"``, ``"f16"``, ``"half"``...).
+        amp_policy: the rule table, keyed by primitive (``jax.lax.add_p``) or by
+            `jax.named_scope` name; `default_amp_policy` when omitted.
+        policy: a `jaxamp.Policy` or policy string (``"p=f32,c=bf16,o=f32"``):
+            compute in its compute dtype and cast floating outputs to its
+            output dtype. Cannot be combined with `compute_dtype`.
+
+    Returns:
+        The mixed-precision function (or a decorator when `fn` is omitted).
+
+    Raises:
+        TypeError: `fn` is not callable, `compute_dtype` is not a float16,
+            bfloat16 or float32 dtype, or `amp_policy` is malformed.
+        ValueError: an unknown dtype name or policy string.
+    """
+    compute, output_dtype = _resolve_dtypes(compute_dtype, policy)
+    table = _check_policy_table(default_amp_policy if amp_policy is None else amp_policy)
+    if fn is None:
+        return functools.partial(amp, compute_dtype=compute_dtype, amp_policy=amp_policy, policy=policy)
+    if not callable(fn):
+        raise TypeError(
+            f"amp expects a callable (a function or an Equinox module), got "
+            f"{type(fn).__name__}: {fn!r:.100}."
+        )
+
+    @functools.wraps(fn)
+    def amp_fn(*args, **kwargs):
+        closed, flat_args, rebuild = _trace(fn, args, kwargs)
+        ctx = AmpContext(compute_dtype=compute, policy=table, scopes=_compat.ambient_scopes())
+        outs = interpret(closed.jaxpr, closed.consts, flat_args, ctx)
+        outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
+        if output_dtype is not None:
+            outs = [cast_value(x, output_dtype) for x in outs]
+        return rebuild(outs)
+
+    return amp_fn
+
+
+def _resolve_dtypes(compute_dtype: Any, policy: Any) -> tuple[np.dtype, np.dtype | None]:
+    if policy is None:
+        value = jnp.float16 if compute_dtype is _UNSET else compute_dtype
+        return canonical_compute_dtype(value), None
+    from ._policy import get_policy
+
+    resolved = get_policy(policy)
+    if compute_dtype is not _UNSET and np.dtype(
+        canonical_compute_dtype(compute_dtype)
+    ) != np.dtype(resolved.compute_dtype):
+        raise ValueError(
+            f"amp got compute_dtype={compute_dtype!r} and policy={str(resolved)!r}, "
+            "which disagree: pass one of them."
+        )
+    return np.dtype(resolved.compute_dtype), np.dtype(resolved.output_dtype)
+
+
+def _check_policy_table(table: Any) -> Mapping[Any, Callable]:
+    if not isinstance(table, Mapping):
+        raise TypeError(
+            f"amp_policy must be a dict mapping primitives or scope names to rules, "
+            f"got {type(table).__name__}."
+        )
+    for key, rule in table.items():
+        if not isinstance(key, (str, _compat.Primitive)):
+            raise TypeError(
+                f"amp_policy keys must be primitives (e.g. jax.lax.add_p) or "
+                f"jax.named_scope names, got {key!r} ({type(key).__name__})."
+            )
+        if not callable(rule):
+            raise TypeError(
+                f"amp_policy[{key!r}] must be a rule function "
+                f"rule(compute_dtype, original_dtypes, *invars, **bind_params), got {rule!r}."
+            )
+    return table
+
+
+def _trace(fn: Callable, args: tuple, kwargs: dict):
+    """Trace `fn` with array leaves as inputs; return the jaxpr and how to rebuild outputs."""
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    flat_args, in_tree = jax.tree_util.tree_flatten(dynamic)
+    out_info: list = []
+
+    def flat_fn(*flat):
+        call_args, call_kwargs = eqx.combine(jax.tree_util.tree_unflatten(in_tree, flat), static)
+        out = fn(*call_args, **call_kwargs)
+        out_dynamic, out_static = eqx.partition(out, eqx.is_array)
+        out_flat, out_tree = jax.tree_util.tree_flatten(out_dynamic)
+        out_info[:] = [out_tree, out_static]
+        return [jnp.asarray(x) for x in out_flat]
+
+    in_avals = [_compat.abstract_value(x) for x in flat_args]
+    closed = _compat.trace_to_closed_jaxpr(flat_fn, in_avals)
+
+    def rebuild(outs):
+        out_tree, out_static = out_info
+        return eqx.combine(jax.tree_util.tree_unflatten(out_tree, outs), out_static)
+
+    return closed, flat_args, rebuild
+

@@ -1,0 +1,260 @@
+"""Every JAX internal jaxamp touches, and every difference between JAX versions.
+
+The interpreter must re-emit equations with their source information, trace new
+bodies for higher-order primitives in the *current* context (axis names, meshes,
+outer transformations), and rebuild the sub-functions that custom-derivative and
+shard_map primitives bind with. JAX has no public API for these, so they live
+here: a JAX upgrade should touch this file and nothing else.
+
+Supported: JAX 0.10.x and 0.11.x (see ``pyproject.toml``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import source_info_util as _source_info
+from jax._src.ad_util import SymbolicZero, Zero
+from jax._src.interpreters import partial_eval as _pe
+
+__all__ = [
+    "JAX_VERSION",
+    "ClosedJaxpr",
+    "Jaxpr",
+    "JaxprEqn",
+    "DropVar",
+    "Literal",
+    "Primitive",
+    "SymbolicZero",
+    "Var",
+    "Zero",
+    "abstract_value",
+    "closed_call_p",
+    "cond_p",
+    "custom_jvp_call_p",
+    "custom_vjp_call_p",
+    "eqn_scopes",
+    "eqn_source",
+    "jit_p",
+    "remat_p",
+    "scan_p",
+    "shard_map_p",
+    "shard_map_body",
+    "ambient_scopes",
+    "trace_to_closed_jaxpr",
+    "trace_to_jaxpr_with_consts_as_inputs",
+    "while_p",
+    "with_dtype",
+    "wrap_fun",
+]
+
+JAX_VERSION: tuple[int, ...] = tuple(
+    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()
+)
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+DropVar = jex_core.DropVar
+Primitive = jex_core.Primitive
+Var = jex_core.Var
+
+_prims = jex_core.primitives
+jit_p = _prims.jit_p
+closed_call_p = _prims.closed_call_p
+remat_p = _prims.remat_p
+scan_p = _prims.scan_p
+while_p = _prims.while_p
+cond_p = _prims.cond_p
+custom_jvp_call_p = _prims.custom_jvp_call_p
+custom_vjp_call_p = _prims.custom_vjp_call_p
+
+try:  # shard_map_p is not (yet) part of jax.extend.
+    from jax._src.shard_map import shard_map_p
+except ImportError:  # pragma: no cover - very old layouts
+    from jax.experimental.shard_map import shard_map_p  # type: ignore
+
+
+def abstract_value(x: Any) -> Any:
+    """The abstract value (shape, dtype, weak type, sharding, vma) of `x`."""
+    return jax.typeof(x)
+
+
+def with_dtype(aval: Any, dtype: Any) -> Any:
+    """`aval` with its dtype replaced (weak type dropped when the dtype changes)."""
+    if aval.dtype == dtype:
+        return aval
+    return aval.update(dtype=dtype, weak_type=False)
+
+
+def _scope_names(name_stack: Any) -> tuple[str, ...]:
+    # Transform entries ("jvp", "transpose", "vmap") are not user scopes.
+    return tuple(
+        entry.name
+        for entry in name_stack.stack
+        if isinstance(entry, _source_info.Scope)
+    )
+
+
+def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
+    """The `jax.named_scope` names recorded on an equation, outermost first.
+
+    Relative to the jaxpr the equation belongs to: a body traced inside
+    ``jax.jit`` records only the scopes opened inside it.
+    """
+    return _scope_names(eqn.source_info.name_stack)
+
+
+def ambient_scopes() -> tuple[str, ...]:
+    """The named scopes active where the caller is running, outermost first."""
+    return _scope_names(_source_info.current_name_stack())
+
+
+@contextlib.contextmanager
+def eqn_source(eqn: JaxprEqn) -> Iterator[None]:
+    """Re-emit under `eqn`'s traceback and name stack, as `jax.core.eval_jaxpr` does.
+
+    Keeps user source lines and named scopes on the rewritten program, so nested
+    amp calls, profilers and `jaxamp.explain` still see them.
+    """
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with eqn.ctx.manager:
+            yield
+
+
+def eqn_source_line(eqn: JaxprEqn) -> str | None:
+    """``"file.py:123 (function)"`` for the user frame that emitted `eqn`."""
+    frame = _source_info.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return None
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def _debug_info(name: str) -> Any:
+    return _lu.DebugInfo("jaxamp", name, None, None)
+
+
+def wrap_fun(fn: Callable, like: Any = None, name: str = "amp") -> Any:
+    """Wrap a Python callable as the `WrappedFun` that primitives' subfuns expect."""
+    debug_info = getattr(like, "debug_info", None) or _debug_info(name)
+    return _lu.wrap_init(fn, debug_info=debug_info)
+
+
+def trace_to_closed_jaxpr(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
+    """Trace ``fn(*args)`` (flat in, flat out) at `in_avals` in the current context.
+
+    Unlike `jax.make_jaxpr` this keeps the caller's axis environment and mesh, so
+    bodies of loops inside `shard_map` or `vmap` with collectives trace correctly.
+    """
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
+        wrap_fun(fn, name=getattr(fn, "__name__", "amp_body")), list(in_avals)
+    )
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def trace_to_jaxpr_with_consts_as_inputs(
+    fn: Callable, in_avals: Sequence[Any]
+) -> tuple[ClosedJaxpr, list[Any]]:
+    """Like `trace_to_closed_jaxpr`, with the constants moved to leading inputs.
+
+    Loop primitives take their constants as operands (``num_consts``), not
+    closed over.
+    """
+    closed = trace_to_closed_jaxpr(fn, in_avals)
+    jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
+    return ClosedJaxpr(jaxpr, ()), list(closed.consts)
+
+
+def shard_map_body(eqn_params: dict, body: Callable) -> dict:
+    """Bind parameters for `shard_map_p` whose body runs ``body(*args) -> outs``.
+
+    `shard_map_p.get_bind_params` turns the stored jaxpr into a sub-function
+    returning a `FlatTree` tagged with the output specs; we swap in our own body
+    with the same return convention.
+    """
+    from jax._src.tree_util import FlatTree
+
+    params = shard_map_p.get_bind_params(eqn_params)
+    out_specs = eqn_params["out_specs"]
+
+    def run(*args):
+        return FlatTree.flatten(list(body(*args))).with_aux(out_specs)
+
+    params["subfuns"] = (run,)
+    return params
+
+
+def custom_jvp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any]:
+    """Split `custom_jvp_call` params into bind params, the primal jaxpr and the jvp thunk."""
+    params = dict(eqn_params)
+    call_jaxpr = params.pop("call_jaxpr")
+    num_consts = params.pop("num_consts")
+    jvp_jaxpr_fun = params.pop("jvp_jaxpr_fun", None) or params.pop("jvp_jaxpr_thunk")
+    return params, (call_jaxpr, num_consts), jvp_jaxpr_fun
+
+
+def custom_vjp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any, Any]:
+    """Split `custom_vjp_call` params into bind params, primal jaxpr, fwd thunk and bwd.
+
+    The bwd returned already accounts for constants (zero cotangents for them),
+    as JAX's own `get_bind_params` arranges.
+    """
+    from jax._src.custom_derivatives import _handle_consts_in_bwd
+
+    params = dict(eqn_params)
+    call_jaxpr = params.pop("call_jaxpr")
+    num_consts = params.pop("num_consts")
+    fwd_jaxpr_thunk = params.pop("fwd_jaxpr_thunk")
+    const_avals = call_jaxpr.in_avals[:num_consts]
+    bwd = _handle_consts_in_bwd(params.pop("bwd"), const_avals)
+    return params, (call_jaxpr, num_consts), fwd_jaxpr_thunk, bwd
+
+
+def tangent_aval(aval: Any) -> Any:
+    return aval.to_tangent_aval()
+
+
+def is_zero(x: Any) -> bool:
+    """Whether `x` is one of JAX's symbolic zero cotangents/tangents."""
+    return isinstance(x, (Zero, SymbolicZero))
+
+
+CustomVJPException = None
+try:
+    from jax._src.interpreters.ad import CustomVJPException  # noqa: F811
+except ImportError:  # pragma: no cover
+    from jax._src.custom_derivatives import CustomVJPException  # type: ignore # noqa
+
+
+def lax_primitives_by_name() -> dict[str, Primitive]:
+    """Every primitive JAX's lax modules define, by name.
+
+    Several (collectives, special functions) are not re-exported from `jax.lax`.
+    """
+    import importlib
+    import pkgutil
+
+    import jax._src.lax as lax_pkg
+
+    found: dict[str, Primitive] = {}
+    modules = [jax.lax] + [
+        importlib.import_module(name)
+        for name in ("jax._src.ad_util", "jax._src.pjit", "jax._src.dispatch")
+    ] + [
+        importlib.import_module(f"jax._src.lax.{info.name}")
+        for info in pkgutil.iter_modules(lax_pkg.__path__)
+        if not info.ispkg
+    ]
+    for module in modules:
+        for obj in vars(module).values():
+            if isinstance(obj, Primitive):
+                found.setdefault(obj.name, obj)
+    return found

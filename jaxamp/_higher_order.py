@@ -1,0 +1,397 @@
+"""Handlers for higher-order primitives: one per primitive, in a registry.
+
+A handler interprets its primitive's bodies with the amp loop under the same
+policy and the same active scopes, then re-binds the primitive with its own
+parameters kept (shardings, donation, remat policy, scan length/unroll, the
+custom derivative rules). Loops and conds need their carries and branch outputs
+type-stable, so their handlers settle dtypes before binding.
+
+Signature: ``handler(ctx, eqn, invals) -> list of outputs``; `ctx` is already
+the nested context (scopes of `eqn` included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax.extend.core import jaxpr_as_fun
+
+from . import _compat
+from ._dtypes import is_castable
+from ._interpreter import AmpContext, interpret
+from ._rules import cast_value, dtype_of
+
+__all__ = ["HANDLERS", "register"]
+
+Handler = Callable[[AmpContext, Any, list], Sequence[Any]]
+HANDLERS: dict[Any, Handler] = {}
+
+
+def register(*primitives: Any) -> Callable[[Handler], Handler]:
+    """Register `handler` for each primitive (primitives missing here are skipped)."""
+
+    def decorator(handler: Handler) -> Handler:
+        for primitive in primitives:
+            if primitive is not None:
+                HANDLERS[primitive] = handler
+        return handler
+
+    return decorator
+
+
+# --- helpers -----------------------------------------------------------------
+
+
+def _avals_like(original_avals: Sequence[Any], values: Sequence[Any]) -> list:
+    # The body's own view of its inputs (shape, sharding, varying axes) with the
+    # dtype amp currently holds: loop bodies see per-iteration slices, shard_map
+    # bodies per-shard blocks, which the operands' own avals would not give.
+    return [_compat.with_dtype(a, dtype_of(v)) for a, v in zip(original_avals, values)]
+
+
+def _amp_body(
+    jaxpr: Any, consts: Sequence[Any], ctx: AmpContext, out_dtypes: Sequence[Any] | None = None
+) -> Callable:
+    """A flat function running `jaxpr` under amp, optionally casting its outputs."""
+
+    def body(*args):
+        outs = interpret(jaxpr, consts, args, ctx)
+        if out_dtypes is not None:
+            outs = [cast_value(x, d) for x, d in zip(outs, out_dtypes)]
+        return outs
+
+    return body
+
+
+def _cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list:
+    return [cast_value(x, d) for x, d in zip(values, dtypes)]
+
+
+def _out_dtypes(closed: Any) -> list:
+    return [a.dtype for a in closed.out_avals]
+
+
+# --- calls: jit, closed_call, remat ----------------------------------------------
+
+
+@register(_compat.jit_p)
+def _jit(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    closed = eqn.params["jaxpr"]
+    if ctx.inline:
+        return interpret(closed.jaxpr, closed.consts, invals, ctx)
+    body = _amp_body(closed.jaxpr, closed.consts, ctx)
+    new = _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
+    return _compat.jit_p.bind(*invals, **dict(eqn.params, jaxpr=new))
+
+
+@register(_compat.closed_call_p)
+def _closed_call(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    closed = eqn.params["call_jaxpr"]
+    if ctx.inline:
+        return interpret(closed.jaxpr, closed.consts, invals, ctx)
+    body = _amp_body(closed.jaxpr, closed.consts, ctx)
+    new = _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
+    params = _compat.closed_call_p.get_bind_params(dict(eqn.params, call_jaxpr=new))
+    return _compat.closed_call_p.bind(*invals, **params)
+
+
+@register(_compat.remat_p)
+def _remat(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    jaxpr = eqn.params["jaxpr"]
+    if ctx.inline:
+        return interpret(jaxpr, (), invals, ctx)
+    body = _amp_body(jaxpr, (), ctx)
+    in_avals = _avals_like([v.aval for v in jaxpr.invars], invals)
+    new, consts = _compat.trace_to_jaxpr_with_consts_as_inputs(body, in_avals)
+    return _compat.remat_p.bind(*consts, *invals, **dict(eqn.params, jaxpr=new.jaxpr))
+
+
+# --- loops: scan, while ------------------------------------------------------------
+
+
+def _settle_carry(
+    trace: Callable[[list, list | None], Any],
+    carry_dtypes: list,
+    original_dtypes: list,
+    num_carry: int,
+) -> tuple[Any, list]:
+    """Choose carry dtypes that a loop body maps to themselves.
+
+    First the dtypes the carry arrives in; where the body changes one (a float32
+    hidden state that leaves a matmul in compute dtype), the dtype it leaves in,
+    so the loop runs in compute dtype as hand-cast code would; where that is not
+    stable either, the original dtype, with the body's result cast back to it.
+
+    Args:
+        trace: ``trace(carry_dtypes, cast_carry_out_to)`` traces the body.
+    Returns:
+        The traced body and the settled carry dtypes.
+    """
+    dtypes = list(carry_dtypes)
+    traced = trace(dtypes, None)
+    for attempt in range(2):
+        out = _out_dtypes(traced)[:num_carry]
+        if out == dtypes:
+            return traced, dtypes
+        if attempt == 0:
+            dtypes = [o if is_castable(o) and is_castable(d) else d for o, d in zip(out, dtypes)]
+            traced = trace(dtypes, None)
+    dtypes = [d if o == d else orig for o, d, orig in zip(out, dtypes, original_dtypes)]
+    return trace(dtypes, dtypes), dtypes
+
+
+@register(_compat.scan_p)
+def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    params = eqn.params
+    closed = params["jaxpr"]
+    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    consts = invals[:num_consts]
+    init = invals[num_consts : num_consts + num_carry]
+    xs = invals[num_consts + num_carry :]
+    if ctx.inline:
+        return _scan_inline(ctx, eqn, consts, init, xs)
+    body_ctx = ctx.repeated(params["length"])
+    in_avals = closed.in_avals
+    original_carry = [a.dtype for a in in_avals[num_consts : num_consts + num_carry]]
+
+    def trace(carry_dtypes, cast_to):
+        out_dtypes = None if cast_to is None else [*cast_to, *_out_dtypes(closed)[num_carry:]]
+        body = _amp_body(closed.jaxpr, closed.consts, body_ctx, out_dtypes)
+        carry_avals = [
+            _compat.with_dtype(a, d)
+            for a, d in zip(in_avals[num_consts : num_consts + num_carry], carry_dtypes)
+        ]
+        avals = [
+            *_avals_like(in_avals[:num_consts], consts),
+            *carry_avals,
+            *_avals_like(in_avals[num_consts + num_carry :], xs),
+        ]
+        return _Traced(*_compat.trace_to_jaxpr_with_consts_as_inputs(body, avals))
+
+    (new, hoisted), carry_dtypes = _settle_carry(
+        trace, [dtype_of(x) for x in init], original_carry, num_carry
+    )
+    new_params = dict(params, jaxpr=new, num_consts=num_consts + len(hoisted))
+    if "linear" in params:  # dropped from scan's parameters in newer JAX
+        new_params["linear"] = (False,) * len(hoisted) + tuple(params["linear"])
+    return _compat.scan_p.bind(*hoisted, *consts, *_cast_all(init, carry_dtypes), *xs, **new_params)
+
+
+class _Traced(tuple):
+    # (closed jaxpr, hoisted consts), with the jaxpr's out_avals exposed so
+    # `_settle_carry` can read them without knowing about hoisting.
+    def __new__(cls, closed, hoisted):
+        return super().__new__(cls, (closed, hoisted))
+
+    @property
+    def out_avals(self):
+        return self[0].out_avals
+
+
+def _scan_inline(ctx, eqn, consts, init, xs):
+    import jax.numpy as jnp
+
+    params = eqn.params
+    closed = params["jaxpr"]
+    num_carry, length = params["num_carry"], params["length"]
+    carry, ys = list(init), []
+    steps = range(length - 1, -1, -1) if params["reverse"] else range(length)
+    for i in steps:
+        outs = interpret(closed.jaxpr, closed.consts, [*consts, *carry, *(x[i] for x in xs)], ctx)
+        carry, y = outs[:num_carry], outs[num_carry:]
+        ys.append(y)
+    if params["reverse"]:
+        ys.reverse()
+    num_ys = len(closed.out_avals) - num_carry
+    stacked = [
+        jnp.stack([y[j] for y in ys]) if ys else jnp.zeros((0, *a.shape), a.dtype)
+        for j, a in zip(range(num_ys), closed.out_avals[num_carry:])
+    ]
+    return [*carry, *stacked]
+
+
+@register(_compat.while_p)
+def _while(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    params = eqn.params
+    cond_closed, body_closed = params["cond_jaxpr"], params["body_jaxpr"]
+    cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts = invals[:cond_n]
+    body_consts = invals[cond_n : cond_n + body_n]
+    init = invals[cond_n + body_n :]
+    if ctx.inline:
+        carry = list(init)
+        while bool(interpret(cond_closed.jaxpr, cond_closed.consts, [*cond_consts, *carry], ctx)[0]):
+            carry = interpret(body_closed.jaxpr, body_closed.consts, [*body_consts, *carry], ctx)
+        return carry
+    body_avals = body_closed.in_avals
+    original_carry = [a.dtype for a in body_avals[body_n:]]
+
+    def trace(carry_dtypes, cast_to):
+        body = _amp_body(body_closed.jaxpr, body_closed.consts, ctx, cast_to)
+        avals = [
+            *_avals_like(body_avals[:body_n], body_consts),
+            *(_compat.with_dtype(a, d) for a, d in zip(body_avals[body_n:], carry_dtypes)),
+        ]
+        return _Traced(*_compat.trace_to_jaxpr_with_consts_as_inputs(body, avals))
+
+    (new_body, body_hoisted), carry_dtypes = _settle_carry(
+        trace, [dtype_of(x) for x in init], original_carry, len(init)
+    )
+    cond_avals = [
+        *_avals_like(cond_closed.in_avals[:cond_n], cond_consts),
+        *(_compat.with_dtype(a, d) for a, d in zip(cond_closed.in_avals[cond_n:], carry_dtypes)),
+    ]
+    new_cond, cond_hoisted = _compat.trace_to_jaxpr_with_consts_as_inputs(
+        _amp_body(cond_closed.jaxpr, cond_closed.consts, ctx), cond_avals
+    )
+    new_params = dict(
+        params,
+        cond_jaxpr=new_cond,
+        body_jaxpr=new_body,
+        cond_nconsts=cond_n + len(cond_hoisted),
+        body_nconsts=body_n + len(body_hoisted),
+    )
+    return _compat.while_p.bind(
+        *cond_hoisted, *cond_consts, *body_hoisted, *body_consts,
+        *_cast_all(init, carry_dtypes), **new_params,
+    )
+
+
+# --- cond ------------------------------------------------------------------------
+
+
+@register(_compat.cond_p)
+def _cond(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    branches = eqn.params["branches"]
+    index, ops = invals[0], invals[1:]
+    if ctx.inline:
+        chosen = branches[int(min(max(int(index), 0), len(branches) - 1))]
+        return interpret(chosen.jaxpr, chosen.consts, ops, ctx)
+    traced = [
+        _compat.trace_to_closed_jaxpr(
+            _amp_body(b.jaxpr, b.consts, ctx), _avals_like(b.in_avals, ops)
+        )
+        for b in branches
+    ]
+    # Branches must agree on output types: where amp left them disagreeing, all
+    # return the dtype the user's program had.
+    original = [v.aval.dtype for v in eqn.outvars]
+    per_output = zip(*(_out_dtypes(t) for t in traced))
+    out_dtypes = [ds[0] if len(set(ds)) == 1 else o for ds, o in zip(per_output, original)]
+    # Re-trace each amp'd branch with every branch's constants as leading
+    # inputs, so all branches take the same operands.
+    all_consts = [c for t in traced for c in t.consts]
+    offsets = [0]
+    for t in traced:
+        offsets.append(offsets[-1] + len(t.consts))
+    op_avals = [_compat.abstract_value(x) for x in ops]
+    const_avals = [_compat.abstract_value(c) for c in all_consts]
+
+    def joined(i, t):
+        def branch(*args):
+            consts, operands = args[: len(all_consts)], args[len(all_consts) :]
+            outs = jaxpr_as_fun(_compat.ClosedJaxpr(t.jaxpr, consts[offsets[i] : offsets[i + 1]]))(*operands)
+            return _cast_all(outs, out_dtypes)
+
+        return _compat.trace_to_closed_jaxpr(branch, [*const_avals, *op_avals])
+
+    new_branches = tuple(joined(i, t) for i, t in enumerate(traced))
+    return _compat.cond_p.bind(index, *all_consts, *ops, **dict(eqn.params, branches=new_branches))
+
+
+# --- custom derivatives -------------------------------------------------------------
+
+
+def _trace_primal(ctx: AmpContext, call_jaxpr: Any, invals: list) -> Any:
+    body = _amp_body(call_jaxpr.jaxpr, call_jaxpr.consts, ctx)
+    return _compat.trace_to_closed_jaxpr(body, _avals_like(call_jaxpr.in_avals, invals))
+
+
+@register(_compat.custom_jvp_call_p)
+def _custom_jvp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    params, (call_jaxpr, num_consts), jvp_jaxpr_fun = _compat.custom_jvp_subfuns(eqn.params)
+    if ctx.inline:
+        return interpret(call_jaxpr.jaxpr, call_jaxpr.consts, invals, ctx)
+    primal = _trace_primal(ctx, call_jaxpr, invals)
+    out_dtypes = _out_dtypes(primal)
+
+    def jvp(*xs):
+        # JAX's own `lift_jvp`, with the user's jvp rule interpreted under amp
+        # and its outputs brought to the types of the amp'd primal.
+        n = len(xs) // 2
+        primals, tangents = xs[num_consts:n], xs[n + num_consts :]
+        zeros = [isinstance(t, _compat.SymbolicZero) for t in tangents]
+        jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+        nonzero = [t for t in tangents if not isinstance(t, _compat.SymbolicZero)]
+        out = interpret(jvp_jaxpr, jvp_consts, [*primals, *nonzero], ctx)
+        out_primals = _cast_all(out[: len(out_zeros)], out_dtypes)
+        nonzero_out = iter(out[len(out_zeros) :])
+        out_tangents = [
+            _compat.SymbolicZero(_compat.tangent_aval(_compat.abstract_value(p)))
+            if z
+            else cast_value(next(nonzero_out), dtype_of(p))
+            for p, z in zip(out_primals, out_zeros)
+        ]
+        return [*out_primals, *out_tangents]
+
+    params["subfuns"] = (
+        _compat.wrap_fun(jaxpr_as_fun(primal), like=call_jaxpr.jaxpr),
+        _compat.wrap_fun(jvp, like=jvp_jaxpr_fun),
+    )
+    return _compat.custom_jvp_call_p.bind(*invals, **params)
+
+
+@register(_compat.custom_vjp_call_p)
+def _custom_vjp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    params, (call_jaxpr, num_consts), fwd_jaxpr_thunk, bwd = _compat.custom_vjp_subfuns(eqn.params)
+    if ctx.inline:
+        return interpret(call_jaxpr.jaxpr, call_jaxpr.consts, invals, ctx)
+    primal = _trace_primal(ctx, call_jaxpr, invals)
+    out_dtypes = _out_dtypes(primal)
+    num_out = len(out_dtypes)
+    in_dtypes = [dtype_of(x) for x in invals]
+
+    def fwd(*args):
+        # JAX's `lift_fwd`, with the forward rule interpreted under amp.
+        vals, nonzeros = args[::2], args[1::2]
+        primals = vals[num_consts:]
+        if any(nonzeros[:num_consts]):
+            raise _compat.CustomVJPException()
+        fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*nonzeros[num_consts:])
+        out = interpret(fwd_jaxpr, fwd_consts, primals, ctx)
+        res, outs = out[: len(out) - num_out], out[len(out) - num_out :]
+        return [*res, *_cast_all(outs, out_dtypes)]
+
+    def amp_bwd(*args):
+        if any(_compat.is_zero(a) for a in args):
+            structure = bwd.call_wrapped(*args)  # symbolic zeros: cannot trace
+        else:
+            structure = []
+
+            def flat_bwd(*a):
+                structure[:] = bwd.call_wrapped(*a)
+                return [o for o in structure if not _compat.is_zero(o)]
+
+            closed = _compat.trace_to_closed_jaxpr(flat_bwd, [_compat.abstract_value(a) for a in args])
+            computed = iter(interpret(closed.jaxpr, closed.consts, args, ctx))
+            structure = [o if _compat.is_zero(o) else next(computed) for o in structure]
+        # Cotangents must match the primal inputs as amp passed them.
+        return [o if _compat.is_zero(o) else cast_value(o, d) for o, d in zip(structure, in_dtypes)]
+
+    params["subfuns"] = (
+        _compat.wrap_fun(jaxpr_as_fun(primal), like=call_jaxpr.jaxpr),
+        _compat.wrap_fun(fwd, like=fwd_jaxpr_thunk),
+        _compat.wrap_fun(amp_bwd, like=bwd),
+    )
+    return _compat.custom_vjp_call_p.bind(*invals, **params)
+
+
+# --- shard_map ----------------------------------------------------------------------
+
+
+@register(_compat.shard_map_p)
+def _shard_map(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+    jaxpr = eqn.params["jaxpr"]
+    params = _compat.shard_map_body(eqn.params, _amp_body(jaxpr, (), ctx))
+    return list(_compat.shard_map_p.bind(*invals, **params))

@@ -1,0 +1,169 @@
+"""The evaluation loop: re-run a jaxpr equation by equation under a policy table.
+
+Each equation is re-emitted with its source information, its operands cast by
+the rule the policy table picks. Higher-order primitives (jit, scan, while, cond,
+remat, custom derivatives, shard_map) are handed to their handlers in
+`_higher_order`, which interpret their bodies with this same loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _compat
+from ._rules import dtype_of, use_original_precision
+from ._scopes import RuleChoice, choose_rule
+
+__all__ = ["AmpContext", "EquationEvent", "interpret"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EquationEvent:
+    """What amp did to one equation; passed to an `AmpContext.observer`."""
+
+    eqn: Any
+    scopes: tuple[str, ...]
+    decided_by: str
+    original_dtypes: tuple[Any, ...]
+    dtypes_before: tuple[Any, ...]  # as amp held the operands on arrival
+    dtypes_after: tuple[Any, ...]  # as the rule passed them to the primitive
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...]
+    trip_count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpContext:
+    """Everything an equation's evaluation depends on besides its operands.
+
+    Attributes:
+        compute_dtype: the low-precision dtype rules cast to.
+        policy: the table of rules, keyed by primitive or scope name.
+        scopes: named scopes active around the jaxpr being interpreted,
+            outermost first (bodies of nested jaxprs record theirs relatively).
+        observer: called with an `EquationEvent` per first-order equation
+            (diagnostics); None in normal use.
+        inline: evaluate bodies of jit/scan/while/cond/remat/custom rules
+            directly instead of re-binding their primitive, so an eager caller
+            sees every equation's concrete output (`find_nonfinite`).
+        trip_count: how many times the jaxpr runs per call of the outermost
+            function (scan lengths multiplied), for FLOP accounting.
+    """
+
+    compute_dtype: np.dtype
+    policy: Mapping[Any, Callable]
+    scopes: tuple[str, ...] = ()
+    observer: Callable[[EquationEvent], None] | None = None
+    inline: bool = False
+    trip_count: int = 1
+
+    def nested(self, eqn: Any) -> AmpContext:
+        """The context for the bodies of `eqn`, a higher-order equation."""
+        return dataclasses.replace(self, scopes=self.scopes + _compat.eqn_scopes(eqn))
+
+    def repeated(self, times: int) -> AmpContext:
+        """The context for a loop body that runs `times` times per call."""
+        return dataclasses.replace(self, trip_count=self.trip_count * times)
+
+
+def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpContext) -> list:
+    """Evaluate `jaxpr` on `args` under amp.
+
+    Args:
+        jaxpr: an open `Jaxpr` (its constants passed as `consts`).
+        consts: values for ``jaxpr.constvars``.
+        args: values for ``jaxpr.invars``; their dtypes may differ from the
+            jaxpr's own avals (amp moves values to compute dtype).
+        ctx: the compute dtype, policy and active scopes.
+
+    Returns:
+        The values of ``jaxpr.outvars``, in whatever dtypes amp left them.
+    """
+    from ._higher_order import HANDLERS
+
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, _compat.Literal) else env[v]
+
+    def write(v, value):
+        if not isinstance(v, _compat.DropVar):
+            env[v] = value
+
+    for v, value in zip(jaxpr.constvars, consts):
+        write(v, value)
+    for v, value in zip(jaxpr.invars, args, strict=True):
+        write(v, value)
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        handler = HANDLERS.get(eqn.primitive)
+        with _compat.eqn_source(eqn):
+            if handler is not None:
+                outvals = handler(ctx.nested(eqn), eqn, invals)
+            else:
+                outvals = _apply_rule(ctx, eqn, invals)
+        if not eqn.primitive.multiple_results:
+            outvals = [outvals]
+        for v, value in zip(eqn.outvars, outvals, strict=True):
+            write(v, value)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _apply_rule(ctx: AmpContext, eqn: Any, invals: list) -> Any:
+    scopes = ctx.scopes + _compat.eqn_scopes(eqn)
+    choice = choose_rule(ctx.policy, scopes, eqn.primitive)
+    if choice is None:
+        choice = RuleChoice(use_original_precision, "original")
+    original = tuple(getattr(v.aval, "dtype", None) for v in eqn.invars)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if "subfuns" in params:
+        # An unknown higher-order primitive: its body cannot be rewritten, so
+        # it gets exactly the operands it was traced with.
+        choice = RuleChoice(use_original_precision, "original")
+    new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)
+    outvals = eqn.primitive.bind(*new_invals, **new_params)
+    if ctx.observer is not None:
+        outs = tuple(outvals) if eqn.primitive.multiple_results else (outvals,)
+        ctx.observer(
+            EquationEvent(
+                eqn=eqn,
+                scopes=scopes,
+                decided_by=choice.decided_by,
+                original_dtypes=original,
+                dtypes_before=tuple(dtype_of(x) for x in invals),
+                dtypes_after=tuple(dtype_of(x) for x in new_invals),
+                inputs=tuple(new_invals),
+                outputs=outs,
+                trip_count=ctx.trip_count,
+            )
+        )
+    return outvals
+
+
+def _call_rule(choice: RuleChoice, compute_dtype, original, invals, params):
+    result = choice.rule(compute_dtype, original, *invals, **params)
+    try:
+        new_invals, new_params = result
+        new_invals = list(new_invals)
+        new_params = dict(new_params)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"amp policy rule {_rule_name(choice.rule)} (chosen by {choice.decided_by}) "
+            f"must return (invars, bind_params), got {type(result).__name__}: {result!r:.200}."
+        ) from None
+    if len(new_invals) != len(invals):
+        raise ValueError(
+            f"amp policy rule {_rule_name(choice.rule)} (chosen by {choice.decided_by}) "
+            f"returned {len(new_invals)} operands for a primitive that takes "
+            f"{len(invals)}: a rule must return one value per operand."
+        )
+    return new_invals, new_params
+
+
+def _rule_name(rule: Callable) -> str:
+    return getattr(rule, "__qualname__", None) or repr(rule)

@@ -1,0 +1,213 @@
+"""Precision rules and the default policy table.
+
+A rule decides the dtypes one equation runs in. Its signature is the seed's::
+
+    rule(compute_dtype, original_dtypes, *invars, **bind_params) -> (invars, bind_params)
+
+``original_dtypes`` are the operand dtypes the user's program had; ``invars`` are
+the operands as amp currently holds them (possibly already in compute dtype).
+Rules only ever convert float32, float16 and bfloat16 values: integers, booleans,
+float64 and complex numbers pass through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _compat
+from ._dtypes import canonical_compute_dtype, is_castable
+
+__all__ = [
+    "Rule",
+    "default_amp_policy",
+    "use_compute_precision",
+    "use_current_precision",
+    "use_original_precision",
+    "use_precision",
+    "use_widest_precision",
+]
+
+Rule = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
+
+
+def dtype_of(x: Any) -> np.dtype:
+    dtype = getattr(x, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def cast_value(x: Any, dtype: Any) -> Any:
+    """Convert `x` to `dtype` when both are amp-castable floats; else return `x`."""
+    current = dtype_of(x)
+    if current == dtype or not (is_castable(current) and is_castable(dtype)):
+        return x
+    return lax.convert_element_type(x, dtype)
+
+
+def _cast_operands(invars: Sequence[Any], original_dtypes: Sequence[Any], target) -> list:
+    # Only operands the user's program had as castable floats move: an operand
+    # that was float64 or an integer keeps whatever it is.
+    return [
+        cast_value(x, target(orig)) if is_castable(orig) else x
+        for x, orig in zip(invars, original_dtypes)
+    ]
+
+
+def _with_preferred_element_type(params: dict, dtype: Any) -> dict:
+    preferred = params.get("preferred_element_type")
+    if preferred is not None and is_castable(preferred):
+        params = dict(params, preferred_element_type=np.dtype(dtype))
+    return params
+
+
+def use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params):
+    """Run the equation in `compute_dtype`.
+
+    Casts every float32/float16/bfloat16 operand to `compute_dtype` and, for
+    matmuls and convolutions, accumulates into `compute_dtype`
+    (``preferred_element_type``).
+    """
+    invars = _cast_operands(invars, original_dtypes, lambda _: compute_dtype)
+    return invars, _with_preferred_element_type(bind_params, compute_dtype)
+
+
+def use_original_precision(compute_dtype, original_dtypes, *invars, **bind_params):
+    """Run the equation in the dtypes the user's program gave its operands."""
+    invars = _cast_operands(invars, original_dtypes, lambda orig: orig)
+    return invars, bind_params
+
+
+def use_precision(dtype: Any) -> Rule:
+    """A rule that runs equations in `dtype`, whatever amp's compute dtype is.
+
+    Args:
+        dtype: float16, bfloat16 or float32, or a name such as ``"bf16"``.
+
+    Returns:
+        A rule for an `amp_policy` table.
+    """
+    dtype = canonical_compute_dtype(dtype, argname="use_precision dtype")
+
+    def rule(compute_dtype, original_dtypes, *invars, **bind_params):
+        return use_compute_precision(dtype, original_dtypes, *invars, **bind_params)
+
+    rule.__name__ = rule.__qualname__ = f"use_precision({np.dtype(dtype).name})"
+    return rule
+
+
+def _widest(dtypes: Sequence[Any]) -> np.dtype:
+    dtypes = {np.dtype(d) for d in dtypes}
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    # float16 and bfloat16 have the same width but neither holds the other.
+    return np.dtype(jnp.float32)
+
+
+def use_widest_precision(compute_dtype, original_dtypes, *invars, **bind_params):
+    """Run the equation in the widest of its operands' original float dtypes."""
+    castable = [d for d in original_dtypes if is_castable(d)]
+    if not castable:
+        return list(invars), bind_params
+    return use_compute_precision(_widest(castable), original_dtypes, *invars, **bind_params)
+
+
+def use_current_precision(compute_dtype, original_dtypes, *invars, **bind_params):
+    """Keep the precision the operands already have.
+
+    For elementwise and structural ops. Operands that had the same dtype in the
+    user's program must agree again: when amp has since moved some of them to
+    `compute_dtype` (a matmul output meeting a float32 bias), all of them go to
+    `compute_dtype`, as hand-cast code would; any other disagreement falls back to
+    the original dtype.
+    """
+    target: dict[np.dtype, np.dtype] = {}
+    for orig in {np.dtype(d) for d in original_dtypes if is_castable(d)}:
+        current = {
+            dtype_of(x)
+            for x, o in zip(invars, original_dtypes)
+            if np.dtype(o) == orig and is_castable(dtype_of(x))
+        }
+        if len(current) == 1:
+            target[orig] = current.pop()
+        elif np.dtype(compute_dtype) in current:
+            target[orig] = np.dtype(compute_dtype)
+        else:
+            target[orig] = orig
+    invars = _cast_operands(invars, original_dtypes, lambda orig: target[np.dtype(orig)])
+    return invars, bind_params
+
+
+# PyTorch autocast's "lower precision" list: matmuls and convolutions.
+_COMPUTE_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+# PyTorch autocast's float32 list, in lax terms: ops whose range or accuracy
+# suffers in half precision (exp overflows at 11.1 in f16; sums lose bits).
+_FULL_PRECISION_PRIMITIVES = (
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "erf_inv", "lgamma",
+    "digamma", "igamma", "igammac", "igamma_grad_a",
+    "polygamma", "zeta", "bessel_i0e", "bessel_i1e", "tan", "acos", "asin",
+    "acosh", "asinh", "atanh", "cosh", "sinh",
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+    "reduce_precision",
+)
+
+# Elementwise and structural ops: they follow their operands (see
+# use_current_precision). Anything not listed (FFI calls, pallas kernels,
+# primitives added to JAX after this list) runs at original precision.
+_CURRENT_PRECISION_PRIMITIVES = (
+    # n-ary elementwise
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2",
+    "nextafter", "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge",
+    "and", "or", "xor", "not",
+    # unary elementwise
+    "neg", "abs", "sign", "floor", "ceil", "round", "is_finite", "tanh",
+    "logistic", "sin", "cos", "atan", "sqrt", "cbrt", "square", "integer_pow",
+    "erf", "erfc", "copy", "stop_gradient", "real", "imag", "conj",
+    "convert_element_type", "reduce_max", "reduce_min", "reduce_and",
+    "reduce_or", "reduce_xor", "argmax", "argmin", "cummax", "cummin",
+    "optimization_barrier",
+    # structural
+    "reshape", "transpose", "broadcast_in_dim", "squeeze",
+    "slice", "dynamic_slice", "dynamic_update_slice", "gather", "concatenate",
+    "pad", "rev", "iota", "select_and_gather_add", "sort", "top_k",
+    "scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+    "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+    "select_and_scatter_add", "split", "sharding_constraint",
+    "mesh_cast", "reshard", "device_put", "pvary", "psum", "pmax", "pmin",
+    "all_gather", "all_to_all", "ppermute", "psum_scatter", "reduce_scatter",
+    "axis_index", "pbroadcast", "pcast",
+)
+
+
+def _default_table() -> dict[Any, Rule]:
+    table: dict[Any, Rule] = {"amp_stop": use_original_precision, "amp_default": use_original_precision}
+    # Equinox's normalisation layers open these scopes. PyTorch keeps layer and
+    # group norm in float32 too: their variance squares activations.
+    for layer in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"):
+        table[f"eqx.nn.{layer}"] = use_original_precision
+    for name in _COMPUTE_PRIMITIVES:
+        table[name] = use_compute_precision
+    for name in _FULL_PRECISION_PRIMITIVES:
+        table[name] = use_original_precision
+    for name in _CURRENT_PRECISION_PRIMITIVES:
+        table[name] = use_current_precision
+    return table
+
+
+def _resolve_primitive_names(table: dict[Any, Rule]) -> dict[Any, Rule]:
+    # The table is keyed by primitive objects (as the seed documents, e.g.
+    # `jax.lax.add_p`) and scope strings; primitive names only make the lists
+    # above readable. Names this JAX version lacks are dropped.
+    by_name = _compat.lax_primitives_by_name()
+    return {
+        by_name.get(key, key): rule
+        for key, rule in table.items()
+        if key in by_name or key in ("amp_stop", "amp_default") or key.startswith("eqx.nn.")
+    }
+
+
+default_amp_policy: dict[Any, Rule] = _resolve_primitive_names(_default_table())

@@ -1,0 +1,91 @@
+"""Named scopes: `amp_stop`, and choosing the rule for an equation.
+
+amp reads the `jax.named_scope` names recorded on each equation. A policy table's
+string keys match those names; its primitive keys match the equation's primitive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+
+__all__ = ["AMP_DEFAULT", "AMP_STOP", "RuleChoice", "amp_stop", "choose_rule"]
+
+AMP_STOP = "amp_stop"
+AMP_DEFAULT = "amp_default"
+
+
+class _AmpStop(contextlib.ContextDecorator):
+    # A ContextDecorator, so one object serves both `@amp_stop` and
+    # `with amp_stop():`. The scope is recorded on every equation traced inside,
+    # including those of jit'd functions and loop bodies called from here.
+    def __enter__(self):
+        self._scope = jax.named_scope(AMP_STOP)
+        self._scope.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._scope.__exit__(*exc)
+
+
+def amp_stop(fn: Callable | None = None):
+    """Switch amp off for a function or a block: its ops run at original precision.
+
+    Usable as a decorator (``@amp_stop``) or a context manager
+    (``with amp_stop(): ...``). Works by opening the named scope ``"amp_stop"``,
+    whose entry in the default policy is `use_original_precision`.
+
+    Args:
+        fn: the function to run without amp; omit it for the context-manager form.
+
+    Returns:
+        The wrapped function, or a context manager when `fn` is None.
+    """
+    if fn is None:
+        return _AmpStop()
+    if not callable(fn):
+        raise TypeError(
+            f"amp_stop expects a function to decorate (or no argument, as a context "
+            f"manager), got {fn!r}."
+        )
+
+    @functools.wraps(fn)
+    def stopped(*args, **kwargs):
+        with jax.named_scope(AMP_STOP):
+            return fn(*args, **kwargs)
+
+    return stopped
+
+
+class RuleChoice(NamedTuple):
+    """The rule for one equation and which table entry supplied it."""
+
+    rule: Callable
+    decided_by: str  # "amp_stop", "scope:<name>", "primitive" or "amp_default"
+
+
+def choose_rule(
+    policy: Mapping[Any, Callable], scopes: Sequence[str], primitive: Any
+) -> RuleChoice | None:
+    """Pick the policy entry for an equation.
+
+    An active ``amp_stop`` wins, because it is the user's explicit off switch;
+    otherwise the outermost active scope with an entry, then the primitive's
+    entry, then ``"amp_default"``. Returns None when nothing matches (the caller
+    keeps the original precision).
+    """
+    if AMP_STOP in scopes and AMP_STOP in policy:
+        return RuleChoice(policy[AMP_STOP], AMP_STOP)
+    for scope in scopes:
+        if scope in policy:
+            return RuleChoice(policy[scope], f"scope:{scope}")
+    rule = policy.get(primitive)
+    if rule is not None:
+        return RuleChoice(rule, "primitive")
+    if AMP_DEFAULT in policy:
+        return RuleChoice(policy[AMP_DEFAULT], AMP_DEFAULT)
+    return None
