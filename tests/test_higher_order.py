@@ -1,0 +1,229 @@
+"""amp inside higher-order primitives: bodies rewritten, parameters kept, types stable."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxamp import amp
+from jaxpr_walk import assert_all_matmuls_in, iter_eqns
+
+KEY = jax.random.PRNGKey(0)
+W = jax.random.normal(KEY, (8, 8)) / 3
+X = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
+
+
+def _eqns(jaxpr, name):
+    return [e for e in iter_eqns(jaxpr) if e.primitive.name == name]
+
+
+def test_jit_parameters_are_kept():
+    mesh = jax.make_mesh((8,), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    inner = jax.jit(lambda w, x: jnp.tanh(x @ w), donate_argnums=1, out_shardings=sharding, inline=False)
+
+    def f(w, x):
+        return inner(w, x)
+
+    x = jnp.ones((8, 8))
+    before = _eqns(jax.make_jaxpr(f)(W, x), "jit")[0].params
+    jaxpr = jax.make_jaxpr(amp(f, compute_dtype="bf16"))(W, x)
+    after = _eqns(jaxpr, "jit")[0].params
+    for name in ("donated_invars", "out_shardings", "in_shardings", "name", "inline", "keep_unused"):
+        assert after[name] == before[name], name
+    assert_all_matmuls_in(jaxpr, jnp.bfloat16)
+    out = jax.jit(amp(f, compute_dtype="bf16"))(W, x)
+    assert out.sharding.spec == P("d")
+
+
+@pytest.mark.parametrize("reverse, unroll", [(False, 1), (True, 2)])
+def test_scan_parameters_kept_and_carry_type_stable(reverse, unroll):
+    def f(w, x):
+        def body(h, xi):
+            h = jnp.tanh(h @ w) + xi  # leaves the matmul in compute dtype
+            return h, h.sum()
+
+        return jax.lax.scan(body, x[0], x, reverse=reverse, unroll=unroll)
+
+    jaxpr = jax.make_jaxpr(amp(f))(W, X)
+    scan = _eqns(jaxpr, "scan")[0]
+    assert (scan.params["length"], scan.params["reverse"], scan.params["unroll"]) == (4, reverse, unroll)
+    body = scan.params["jaxpr"]
+    n = scan.params["num_consts"]
+    carry_in = [a.dtype for a in body.in_avals[n : n + 1]]
+    assert carry_in == [a.dtype for a in body.out_avals[:1]]
+    assert_all_matmuls_in(jaxpr, jnp.float16)
+    (h, ys), (h0, ys0) = amp(f)(W, X), f(W, X)
+    assert h.dtype == ys.dtype == jnp.float32
+    np.testing.assert_allclose(h, h0, atol=2e-2)
+    np.testing.assert_allclose(ys, ys0, atol=5e-2)
+
+
+def test_scan_carry_that_cannot_settle_falls_back_to_original_dtype():
+    def body(c, _):
+        # The carry alternates: the matmul half-casts it, exp returns float32.
+        return jnp.exp(c @ W) * 0 + c, None
+
+    jaxpr = jax.make_jaxpr(amp(lambda x: jax.lax.scan(body, x, None, length=3)[0]))(X)
+    scan = _eqns(jaxpr, "scan")[0]
+    n = scan.params["num_consts"]
+    assert scan.params["jaxpr"].in_avals[n].dtype == scan.params["jaxpr"].out_avals[0].dtype
+
+
+def test_while_loop_carry_type_stable():
+    def f(w, x):
+        def body(state):
+            i, h = state
+            return i + 1, jnp.tanh(h @ w) + h
+
+        return jax.lax.while_loop(lambda s: s[0] < 3, body, (0, x))[1]
+
+    jaxpr = jax.make_jaxpr(amp(f))(W, X)
+    loop = _eqns(jaxpr, "while")[0]
+    body = loop.params["body_jaxpr"]
+    n = loop.params["body_nconsts"]
+    assert [a.dtype for a in body.in_avals[n:]] == [a.dtype for a in body.out_avals]
+    assert_all_matmuls_in(jaxpr, jnp.float16)
+    np.testing.assert_allclose(amp(f)(W, X), f(W, X), atol=3e-2)
+
+
+def test_cond_branches_agree_on_output_types():
+    def f(p, w, x):
+        # One branch leaves a matmul (compute dtype), the other stays float32.
+        return jax.lax.cond(p, lambda x: x @ w, lambda x: x * 2.0, x)
+
+    jaxpr = jax.make_jaxpr(amp(f))(True, W, X)
+    cond = _eqns(jaxpr, "cond")[0]
+    outs = {tuple(a.dtype for a in b.out_avals) for b in cond.params["branches"]}
+    assert len(outs) == 1
+    assert_all_matmuls_in(jaxpr, jnp.float16)
+    for p in (True, False):
+        np.testing.assert_allclose(amp(f)(p, W, X), f(p, W, X), atol=3e-2)
+
+
+def test_switch_with_matching_branches_stays_in_compute_dtype():
+    def f(i, w, x):
+        return jax.lax.switch(i, [lambda x: x @ w, lambda x: (x @ w) * 2, lambda x: -(x @ w)], x)
+
+    cond = _eqns(jax.make_jaxpr(amp(f))(1, W, X), "cond")[0]
+    assert all(b.out_avals[0].dtype == jnp.float16 for b in cond.params["branches"])
+    for i in range(3):
+        np.testing.assert_allclose(amp(f)(i, W, X), f(i, W, X), atol=3e-2)
+
+
+def test_remat_policy_and_prevent_cse_kept():
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+    def f(w, x):
+        return jax.checkpoint(lambda x: jnp.sin(x @ w), policy=policy, prevent_cse=False)(x).sum()
+
+    jaxpr = jax.make_jaxpr(amp(f))(W, X)
+    (remat,) = [e for e in iter_eqns(jaxpr) if e.primitive.name in ("remat2", "checkpoint", "remat")]
+    assert remat.params["policy"] is policy and remat.params["prevent_cse"] is False
+    grad_jaxpr = jax.make_jaxpr(jax.grad(amp(f)))(W, X)
+    assert_all_matmuls_in(grad_jaxpr, jnp.float16, at_least=2)
+    np.testing.assert_allclose(jax.grad(amp(f))(W, X), jax.grad(f)(W, X), atol=5e-2)
+
+
+@jax.custom_jvp
+def _scaled_sin(w, x):
+    return jnp.sin(x @ w)
+
+
+@_scaled_sin.defjvp
+def _scaled_sin_jvp(primals, tangents):
+    w, x = primals
+    tw, tx = tangents
+    # Deliberately 3x the true derivative: proves the rule, not autodiff, runs.
+    return _scaled_sin(w, x), 3.0 * jnp.cos(x @ w) * (x @ tw + tx @ w)
+
+
+def test_custom_jvp_rule_stays_in_force_with_compute_dtype_matmuls():
+    f = lambda w, x: _scaled_sin(w, x).sum()  # noqa: E731
+    g = jax.grad(amp(f))(W, X)
+    np.testing.assert_allclose(g, jax.grad(f)(W, X), rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(g, 3 * jax.grad(lambda w, x: jnp.sin(x @ w).sum())(W, X), rtol=3e-2, atol=3e-2)
+    assert g.dtype == jnp.float32
+    assert_all_matmuls_in(jax.make_jaxpr(amp(f))(W, X), jnp.float16)
+    assert_all_matmuls_in(jax.make_jaxpr(jax.grad(amp(f)))(W, X), jnp.float16, at_least=3)
+
+
+@jax.custom_vjp
+def _odd_tanh(w, x):
+    return jnp.tanh(x @ w)
+
+
+def _odd_tanh_fwd(w, x):
+    y = jnp.tanh(x @ w)
+    return y, (w, x, y)
+
+
+def _odd_tanh_bwd(res, g):
+    w, x, y = res
+    g = -g * (1 - y**2)  # deliberately negated
+    return x.T @ g, g @ w.T
+
+
+_odd_tanh.defvjp(_odd_tanh_fwd, _odd_tanh_bwd)
+
+
+def test_custom_vjp_rule_stays_in_force_with_compute_dtype_matmuls():
+    f = lambda w, x: _odd_tanh(w, x).sum()  # noqa: E731
+    gw, gx = jax.grad(amp(f), argnums=(0, 1))(W, X)
+    true_w, true_x = jax.grad(lambda w, x: jnp.tanh(x @ w).sum(), argnums=(0, 1))(W, X)
+    np.testing.assert_allclose(gw, -true_w, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(gx, -true_x, rtol=3e-2, atol=3e-2)
+    assert gw.dtype == gx.dtype == jnp.float32
+    # forward matmul and both backward matmuls of the user's bwd rule
+    assert_all_matmuls_in(jax.make_jaxpr(jax.grad(amp(f)))(W, X), jnp.float16, at_least=3)
+
+
+def test_custom_vjp_under_jit_vmap_and_value_and_grad():
+    f = lambda w, x: _odd_tanh(w, x).sum()  # noqa: E731
+    v, g = jax.jit(jax.value_and_grad(amp(f)))(W, X)
+    assert v.dtype == g.dtype == jnp.float32
+    per_example = jax.vmap(jax.grad(amp(f)), in_axes=(None, 0))(W, X[:, None])
+    assert per_example.shape == (4, 8, 8) and per_example.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("make_mesh", [
+    lambda: jax.make_mesh((8,), ("d",)),
+    lambda: Mesh(np.array(jax.devices()), ("d",)),
+], ids=["make_mesh", "Mesh"])
+def test_shard_map_body_in_compute_dtype_with_collectives_untouched(make_mesh):
+    mesh = make_mesh()
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    def f(w, x):
+        return jax.lax.psum((x @ w).sum(axis=0), "d")
+
+    x = jax.device_put(jax.random.normal(KEY, (16, 8)), NamedSharding(mesh, P("d")))
+    jaxpr = jax.make_jaxpr(amp(f, compute_dtype="bf16"))(W, x)
+    assert_all_matmuls_in(jaxpr, jnp.bfloat16)
+    assert _eqns(jaxpr, "psum") or _eqns(jaxpr, "psum2") or _eqns(jaxpr, "psum_invariant")
+    sm = _eqns(jaxpr, "shard_map")[0]
+    assert sm.params["mesh"] == mesh
+    out = jax.jit(amp(f, compute_dtype="bf16"))(W, x)
+    np.testing.assert_allclose(out, f(W, x), rtol=3e-2, atol=5e-2)
+    with jax.set_mesh(mesh):  # explicit-axis meshes need one for the reduction
+        g = jax.grad(lambda w: amp(f, compute_dtype="bf16")(w, x).sum())(W)
+        g0 = jax.grad(lambda w: f(w, x).sum())(W)
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, g0, rtol=5e-2, atol=5e-2)
+
+
+def test_closed_call_body_is_rewritten():
+    from jax.extend.core.primitives import closed_call_p
+    from jax.extend.core import ClosedJaxpr
+
+    inner = jax.make_jaxpr(lambda w, x: x @ w)(W, X)
+
+    def f(w, x):
+        params = closed_call_p.get_bind_params({"call_jaxpr": ClosedJaxpr(inner.jaxpr, inner.consts)})
+        return closed_call_p.bind(w, x, **params)[0]
+
+    assert_all_matmuls_in(jax.make_jaxpr(amp(f))(W, X), jnp.float16)
+    np.testing.assert_allclose(amp(f)(W, X), X @ W, atol=3e-2)
