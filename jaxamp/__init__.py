@@ -78,3 +78,9 @@ __all__ += [
     "warn_if_not_floating",
 ]
 # --- loss scaling (end) ---
+
+# --- diagnostics (begin) ---
+from ._diagnostics import AmpReport, AmpRow, NonFiniteReport, explain, find_nonfinite
+
+__all__ += ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
+# --- diagnostics (end) ---

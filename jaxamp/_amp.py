@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,7 +17,7 @@ from ._dtypes import canonical_compute_dtype
 from ._interpreter import AmpContext, interpret
 from ._rules import cast_value, default_amp_policy
 
-__all__ = ["amp"]
+__all__ = ["AmpOptions", "amp"]
 
 _UNSET: Any = object()
 
@@ -59,8 +60,7 @@ def amp(
             bfloat16 or float32 dtype, or `amp_policy` is malformed.
         ValueError: an unknown dtype name or policy string.
     """
-    compute, output_dtype = _resolve_dtypes(compute_dtype, policy)
-    table = _check_policy_table(default_amp_policy if amp_policy is None else amp_policy)
+    options = AmpOptions.resolve(compute_dtype=compute_dtype, amp_policy=amp_policy, policy=policy)
     if fn is None:
         return functools.partial(amp, compute_dtype=compute_dtype, amp_policy=amp_policy, policy=policy)
     if not callable(fn):
@@ -71,15 +71,43 @@ def amp(
 
     @functools.wraps(fn)
     def amp_fn(*args, **kwargs):
-        closed, flat_args, rebuild = _trace(fn, args, kwargs)
-        ctx = AmpContext(compute_dtype=compute, policy=table, scopes=_compat.ambient_scopes())
-        outs = interpret(closed.jaxpr, closed.consts, flat_args, ctx)
-        outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
-        if output_dtype is not None:
-            outs = [cast_value(x, output_dtype) for x in outs]
-        return rebuild(outs)
+        return options.run(fn, args, kwargs)
 
     return amp_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpOptions:
+    """amp's validated settings; `amp`, `explain` and `find_nonfinite` share them."""
+
+    compute_dtype: np.dtype
+    table: Mapping[Any, Callable]
+    output_dtype: np.dtype | None = None
+
+    @classmethod
+    def resolve(
+        cls, *, compute_dtype: Any = _UNSET, amp_policy: Any = None, policy: Any = None
+    ) -> AmpOptions:
+        """Validate `amp`'s keyword arguments (see `amp`)."""
+        compute, output_dtype = _resolve_dtypes(compute_dtype, policy)
+        table = _check_policy_table(default_amp_policy if amp_policy is None else amp_policy)
+        return cls(compute, table, output_dtype)
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
+        """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""
+        closed, flat_args, rebuild = _trace(fn, args, kwargs)
+        ctx = AmpContext(
+            compute_dtype=self.compute_dtype,
+            policy=self.table,
+            scopes=_compat.ambient_scopes(),
+            observer=observer,
+            inline=inline,
+        )
+        outs = interpret(closed.jaxpr, closed.consts, flat_args, ctx)
+        outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
+        if self.output_dtype is not None:
+            outs = [cast_value(x, self.output_dtype) for x in outs]
+        return rebuild(outs)
 
 
 def _resolve_dtypes(compute_dtype: Any, policy: Any) -> tuple[np.dtype, np.dtype | None]:

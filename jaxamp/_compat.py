@@ -41,7 +41,10 @@ __all__ = [
     "custom_vjp_call_p",
     "eqn_scopes",
     "eqn_source",
+    "eqn_source_line",
+    "eqn_user_frame",
     "jit_p",
+    "legacy_context_mesh",
     "remat_p",
     "scan_p",
     "shard_map_p",
@@ -130,9 +133,17 @@ def eqn_source(eqn: JaxprEqn) -> Iterator[None]:
             yield
 
 
+def eqn_user_frame(eqn: JaxprEqn) -> Any:
+    """The innermost user (non-JAX, non-stdlib) frame that emitted `eqn`, or None.
+
+    Has ``file_name``, ``function_name`` and ``start_line``.
+    """
+    return _source_info.user_frame(eqn.source_info.traceback)
+
+
 def eqn_source_line(eqn: JaxprEqn) -> str | None:
     """``"file.py:123 (function)"`` for the user frame that emitted `eqn`."""
-    frame = _source_info.user_frame(eqn.source_info.traceback)
+    frame = eqn_user_frame(eqn)
     if frame is None:
         return None
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
@@ -258,3 +269,40 @@ def lax_primitives_by_name() -> dict[str, Primitive]:
             if isinstance(obj, Primitive):
                 found.setdefault(obj.name, obj)
     return found
+
+
+# --- benchmarks ---
+def saved_residuals(fn: Callable, *args: Any) -> list[tuple[Any, str]]:
+    """The values reverse-mode differentiation of ``fn(*args)`` keeps for the backward pass.
+
+    What `jax.ad_checkpoint.print_saved_residuals` prints, as data: one
+    ``(aval, description)`` per residual, the description saying where it comes
+    from (an argument, a constant, or the primitive and source line producing it).
+    Arguments may be `jax.ShapeDtypeStruct`s: nothing is computed.
+    """
+    from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
+
+    return _saved_residuals(fn, *args)
+
+
+def legacy_context_mesh() -> Any:
+    """The mesh entered with the deprecated ``with mesh:`` context manager, if any.
+
+    JAX offers no public accessor for it: ``jax.sharding.get_mesh`` and
+    ``get_abstract_mesh`` only see meshes set with ``jax.set_mesh``. Older user
+    code still says ``with mesh:``, so we read JAX's thread-local resource stack.
+
+    Returns:
+        The innermost such mesh, or ``None`` when none is entered or when this JAX
+        version no longer has the legacy context (then there is nothing to find).
+    """
+    from jax.sharding import Mesh
+
+    try:
+        from jax._src.mesh import thread_resources
+    except ImportError:
+        return None
+    mesh = getattr(getattr(thread_resources, "env", None), "physical_mesh", None)
+    if not isinstance(mesh, Mesh) or mesh.empty:
+        return None
+    return mesh

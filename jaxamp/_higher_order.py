@@ -12,6 +12,7 @@ the nested context (scopes of `eqn` included).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -157,7 +158,6 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
 
     def trace(carry_dtypes, cast_to):
         out_dtypes = None if cast_to is None else [*cast_to, *_out_dtypes(closed)[num_carry:]]
-        body = _amp_body(closed.jaxpr, closed.consts, body_ctx, out_dtypes)
         carry_avals = [
             _compat.with_dtype(a, d)
             for a, d in zip(in_avals[num_consts : num_consts + num_carry], carry_dtypes)
@@ -167,11 +167,11 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
             *carry_avals,
             *_avals_like(in_avals[num_consts + num_carry :], xs),
         ]
-        return _Traced(*_compat.trace_to_jaxpr_with_consts_as_inputs(body, avals))
+        return _trace_loop_body(closed, body_ctx, avals, out_dtypes)
 
-    (new, hoisted), carry_dtypes = _settle_carry(
-        trace, [dtype_of(x) for x in init], original_carry, num_carry
-    )
+    traced, carry_dtypes = _settle_carry(trace, [dtype_of(x) for x in init], original_carry, num_carry)
+    _report(ctx, traced)
+    new, hoisted = traced
     new_params = dict(params, jaxpr=new, num_consts=num_consts + len(hoisted))
     if "linear" in params:  # dropped from scan's parameters in newer JAX
         new_params["linear"] = (False,) * len(hoisted) + tuple(params["linear"])
@@ -180,13 +180,31 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
 
 class _Traced(tuple):
     # (closed jaxpr, hoisted consts), with the jaxpr's out_avals exposed so
-    # `_settle_carry` can read them without knowing about hoisting.
-    def __new__(cls, closed, hoisted):
-        return super().__new__(cls, (closed, hoisted))
+    # `_settle_carry` can read them without knowing about hoisting, and the
+    # observer events of this trace held back: `_settle_carry` may trace a body
+    # up to three times, and diagnostics must see the kept trace only once.
+    def __new__(cls, closed, hoisted, events):
+        self = super().__new__(cls, (closed, hoisted))
+        self.events = events
+        return self
 
     @property
     def out_avals(self):
         return self[0].out_avals
+
+
+def _trace_loop_body(body_jaxpr, ctx: AmpContext, avals: list, out_dtypes) -> _Traced:
+    events: list = []
+    if ctx.observer is not None:
+        ctx = dataclasses.replace(ctx, observer=events.append)
+    body = _amp_body(body_jaxpr.jaxpr, body_jaxpr.consts, ctx, out_dtypes)
+    return _Traced(*_compat.trace_to_jaxpr_with_consts_as_inputs(body, avals), events)
+
+
+def _report(ctx: AmpContext, traced: _Traced) -> None:
+    if ctx.observer is not None:
+        for event in traced.events:
+            ctx.observer(event)
 
 
 def _scan_inline(ctx, eqn, consts, init, xs):
@@ -228,16 +246,15 @@ def _while(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     original_carry = [a.dtype for a in body_avals[body_n:]]
 
     def trace(carry_dtypes, cast_to):
-        body = _amp_body(body_closed.jaxpr, body_closed.consts, ctx, cast_to)
         avals = [
             *_avals_like(body_avals[:body_n], body_consts),
             *(_compat.with_dtype(a, d) for a, d in zip(body_avals[body_n:], carry_dtypes)),
         ]
-        return _Traced(*_compat.trace_to_jaxpr_with_consts_as_inputs(body, avals))
+        return _trace_loop_body(body_closed, ctx, avals, cast_to)
 
-    (new_body, body_hoisted), carry_dtypes = _settle_carry(
-        trace, [dtype_of(x) for x in init], original_carry, len(init)
-    )
+    traced, carry_dtypes = _settle_carry(trace, [dtype_of(x) for x in init], original_carry, len(init))
+    _report(ctx, traced)
+    new_body, body_hoisted = traced
     cond_avals = [
         *_avals_like(cond_closed.in_avals[:cond_n], cond_consts),
         *(_compat.with_dtype(a, d) for a, d in zip(cond_closed.in_avals[cond_n:], carry_dtypes)),

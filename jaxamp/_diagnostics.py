@@ -1,0 +1,324 @@
+"""Diagnostics: what amp did to every equation, and where an overflow starts.
+
+`explain` traces the amp'd function (nothing runs) and reports one row per
+equation, nested bodies included. `find_nonfinite` runs it eagerly, equation by
+equation, and stops at the first output holding an inf or NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat
+from ._amp import AmpOptions
+from ._dtypes import dtype_short_name, is_castable
+from ._interpreter import EquationEvent
+
+__all__ = ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
+
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _name(dtype: Any) -> str:
+    return "-" if dtype is None else dtype_short_name(dtype) if _is_dtype(dtype) else str(dtype)
+
+
+def _is_dtype(dtype: Any) -> bool:
+    try:
+        np.dtype(dtype)
+        return True
+    except TypeError:
+        return False
+
+
+def matmul_flops(eqn: Any) -> int:
+    """Multiply-adds x 2 of a dot_general or convolution, from its shapes."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lhs_contract, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+        lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+        rhs_free = [d for i, d in enumerate(rhs) if i not in rhs_contract and i not in rhs_batch]
+        return 2 * math.prod(lhs) * math.prod(rhs_free)
+    if name == "conv_general_dilated":
+        out = eqn.outvars[0].aval.shape
+        kernel = eqn.invars[1].aval.shape
+        out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+        # Each output element is a dot over (input features / groups) x window.
+        return 2 * math.prod(out) * math.prod(kernel) // kernel[out_feature_dim]
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpRow:
+    """One equation as amp ran it.
+
+    Attributes:
+        primitive: the primitive's name (``"dot_general"``...).
+        scope: the active `jax.named_scope` path, ``"outer/inner"`` (``""`` at top level).
+        decided_by: which policy entry chose the rule: ``"amp_stop"``,
+            ``"scope:<name>"``, ``"primitive"``, ``"amp_default"`` or
+            ``"original"`` (no entry, or a primitive amp cannot rewrite).
+        original_dtypes: operand dtypes in the user's program.
+        dtypes_before: operand dtypes as they reached the equation under amp.
+        dtypes_after: operand dtypes the primitive ran with.
+        output_dtypes: result dtypes.
+        casts: operands the rule converted.
+        flops: matmul/conv FLOPs per call of the function (scan trip counts
+            multiplied in; a while loop counts once); 0 for other primitives.
+        trip_count: how many times the equation runs per call.
+        source: ``"file.py:line (function)"`` of the user code that emitted it.
+    """
+
+    primitive: str
+    scope: str
+    decided_by: str
+    original_dtypes: tuple[str, ...]
+    dtypes_before: tuple[str, ...]
+    dtypes_after: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+    casts: int
+    flops: int
+    trip_count: int
+    source: str | None
+
+    @property
+    def low_precision(self) -> bool:
+        """Whether every floating operand ran in a 16-bit float."""
+        floats = [d for d in self.dtypes_after if d in ("f16", "bf16", "f32")]
+        return bool(floats) and all(d in ("f16", "bf16") for d in floats)
+
+    @property
+    def full_precision(self) -> bool:
+        """Whether some float operand ran in float32."""
+        return "f32" in self.dtypes_after
+
+
+def _row(event: EquationEvent) -> AmpRow:
+    eqn = event.eqn
+    casts = sum(a != b for a, b in zip(event.dtypes_before, event.dtypes_after) if is_castable(a))
+    flops = matmul_flops(eqn) * event.trip_count if eqn.primitive.name in _MATMULS else 0
+    return AmpRow(
+        primitive=eqn.primitive.name,
+        scope="/".join(event.scopes),
+        decided_by=event.decided_by,
+        original_dtypes=tuple(_name(d) for d in event.original_dtypes),
+        dtypes_before=tuple(_name(d) for d in event.dtypes_before),
+        dtypes_after=tuple(_name(d) for d in event.dtypes_after),
+        output_dtypes=tuple(_name(getattr(o, "dtype", None)) for o in event.outputs),
+        casts=casts,
+        flops=flops,
+        trip_count=event.trip_count,
+        source=_compat.eqn_source_line(eqn),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpReport:
+    """Per-equation record of an amp'd function; see `explain`.
+
+    Attributes:
+        rows: one `AmpRow` per equation, in program order, nested bodies inline.
+        compute_dtype: amp's compute dtype.
+    """
+
+    rows: tuple[AmpRow, ...]
+    compute_dtype: str
+
+    @property
+    def total_matmul_flops(self) -> int:
+        return sum(r.flops for r in self.rows)
+
+    @property
+    def low_precision_flop_fraction(self) -> float:
+        """Share of matmul/conv FLOPs whose operands ran in 16-bit floats (1.0 if none)."""
+        total = self.total_matmul_flops
+        if total == 0:
+            return 1.0
+        return sum(r.flops for r in self.rows if r.low_precision) / total
+
+    @property
+    def casts_inserted(self) -> int:
+        """Operand conversions amp added (per appearance in the program)."""
+        return sum(r.casts for r in self.rows)
+
+    @property
+    def kept_full_by_rule(self) -> int:
+        """Equations run with float32 operands because a policy entry said so."""
+        return sum(r.full_precision and r.decided_by != "amp_stop" for r in self.rows)
+
+    @property
+    def kept_full_by_amp_stop(self) -> int:
+        """Equations run at original precision inside `amp_stop` regions."""
+        return sum(r.decided_by == "amp_stop" for r in self.rows)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict: summary figures and every row."""
+        return {
+            "compute_dtype": self.compute_dtype,
+            "low_precision_flop_fraction": self.low_precision_flop_fraction,
+            "total_matmul_flops": self.total_matmul_flops,
+            "casts_inserted": self.casts_inserted,
+            "kept_full_by_rule": self.kept_full_by_rule,
+            "kept_full_by_amp_stop": self.kept_full_by_amp_stop,
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+        }
+
+    def __str__(self) -> str:
+        groups: dict[tuple, list[AmpRow]] = defaultdict(list)
+        for row in self.rows:
+            groups[(row.scope, row.primitive, row.decided_by, row.dtypes_after, row.output_dtypes)].append(row)
+        header = ("scope", "primitive", "count", "decided by", "operands", "out", "casts", "GFLOP")
+        lines = [header]
+        for (scope, prim, decided, after, out), rows in groups.items():
+            flops = sum(r.flops for r in rows)
+            lines.append((
+                scope or "-", prim, str(sum(r.trip_count for r in rows)), decided,
+                ",".join(after) or "-", ",".join(out), str(sum(r.casts for r in rows)),
+                f"{flops / 1e9:.3g}" if flops else "",
+            ))
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        table = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+        summary = (
+            f"amp report (compute dtype {self.compute_dtype}): "
+            f"{self.low_precision_flop_fraction:.1%} of {self.total_matmul_flops / 1e9:.3g} GFLOP "
+            f"of matmuls in low precision; {self.casts_inserted} casts inserted; "
+            f"{self.kept_full_by_rule} equations kept in float32 by rule, "
+            f"{self.kept_full_by_amp_stop} inside amp_stop."
+        )
+        return summary + "\n" + table
+
+
+def explain(fn: Callable, **amp_options: Any) -> Callable[..., AmpReport]:
+    """Report what `amp` does to every equation of `fn`, without running it.
+
+    Args:
+        fn: the function, as you would pass it to `amp`.
+        **amp_options: `amp`'s keyword arguments (``compute_dtype``,
+            ``amp_policy``, ``policy``).
+
+    Returns:
+        A function taking `fn`'s arguments and returning an `AmpReport`.
+    """
+    options = AmpOptions.resolve(**amp_options)
+    _check_callable(fn, "explain")
+
+    @functools.wraps(fn)
+    def report(*args, **kwargs) -> AmpReport:
+        events: list[EquationEvent] = []
+        jax.eval_shape(lambda a, k: options.run(fn, a, k, observer=events.append), args, kwargs)
+        return AmpReport(tuple(_row(e) for e in events), dtype_short_name(options.compute_dtype))
+
+    return report
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteReport:
+    """The first equation whose output held an inf or NaN; see `find_nonfinite`.
+
+    Attributes:
+        primitive: the primitive's name.
+        scope: the active named-scope path.
+        source: ``"file.py:line (function)"`` of the user code that emitted it.
+        file, line: the same, split out (None when unknown).
+        input_dtypes, output_dtypes: dtypes the equation ran with.
+        input_ranges, output_ranges: ``(min, max)`` of each floating operand /
+            result (finite values only; None when it has none).
+    """
+
+    primitive: str
+    scope: str
+    source: str | None
+    file: str | None
+    line: int | None
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+    input_ranges: tuple[tuple[float, float] | None, ...]
+    output_ranges: tuple[tuple[float, float] | None, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"first non-finite output: {self.primitive} at {self.source or 'unknown source'}"
+            f" (scope {self.scope or '-'})\n"
+            f"  inputs  {self.input_dtypes} ranges {self.input_ranges}\n"
+            f"  outputs {self.output_dtypes} ranges {self.output_ranges}"
+        )
+
+
+class _FoundNonFinite(Exception):
+    def __init__(self, event: EquationEvent):
+        self.event = event
+
+
+def _float_values(xs) -> list:
+    return [x for x in xs if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.inexact)]
+
+
+def _range(x: Any) -> tuple[float, float] | None:
+    values = np.asarray(jnp.asarray(x, jnp.float32)).ravel()
+    values = values[np.isfinite(values)]
+    return (float(values.min()), float(values.max())) if values.size else None
+
+
+def _check_event(event: EquationEvent) -> None:
+    if any(not bool(jnp.all(jnp.isfinite(x))) for x in _float_values(event.outputs)):
+        raise _FoundNonFinite(event)
+
+
+def find_nonfinite(fn: Callable, **amp_options: Any) -> Callable[..., NonFiniteReport | None]:
+    """Find the first equation of the amp'd `fn` that produces an inf or NaN.
+
+    Runs eagerly, equation by equation (bodies of jit, scan, while, cond,
+    remat and custom rules included), so an overflow is caught where it starts
+    even when a later op hides it (``tanh(inf) == 1``).
+
+    Args:
+        fn: the function, as you would pass it to `amp`.
+        **amp_options: `amp`'s keyword arguments.
+
+    Returns:
+        A function taking `fn`'s arguments (concrete arrays, not tracers) and
+        returning a `NonFiniteReport`, or None when every output stays finite.
+    """
+    options = AmpOptions.resolve(**amp_options)
+    _check_callable(fn, "find_nonfinite")
+
+    @functools.wraps(fn)
+    def locate(*args, **kwargs) -> NonFiniteReport | None:
+        try:
+            with jax.disable_jit():
+                options.run(fn, args, kwargs, observer=_check_event, inline=True)
+        except _FoundNonFinite as found:
+            return _nonfinite_report(found.event)
+        return None
+
+    return locate
+
+
+def _nonfinite_report(event: EquationEvent) -> NonFiniteReport:
+    row = _row(event)
+    frame = _compat.eqn_user_frame(event.eqn)
+    return NonFiniteReport(
+        primitive=row.primitive,
+        scope=row.scope,
+        source=row.source,
+        file=frame.file_name if frame else None,
+        line=frame.start_line if frame else None,
+        input_dtypes=row.dtypes_after,
+        output_dtypes=row.output_dtypes,
+        input_ranges=tuple(_range(x) for x in _float_values(event.inputs)),
+        output_ranges=tuple(_range(x) for x in _float_values(event.outputs)),
+    )
+
+
+def _check_callable(fn: Any, name: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"{name} expects a callable, got {type(fn).__name__}: {fn!r:.100}.")

@@ -1,0 +1,102 @@
+"""Skipping optimizer steps whose gradients are not finite, for optax.
+
+`optax.apply_if_finite` does something similar, but it (a) needs a
+``max_consecutive_errors`` after which it *applies* non-finite updates, which is the
+wrong call when a loss scaler is still backing off, and (b) leaves parameters
+unchanged only up to the sign of zero, since a skipped step returns zero updates and
+``-0.0 + 0.0 == +0.0``. Here a skipped step never touches the inner optimizer
+state, and `apply_if_finite_updates` keeps the parameters' exact bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._finite import all_finite, select_tree
+
+__all__ = ["SkipNonFiniteState", "apply_if_finite_updates", "skip_nonfinite_updates"]
+
+
+class SkipNonFiniteState(NamedTuple):
+    """State of `skip_nonfinite_updates` (field names as `optax.ApplyIfFiniteState`).
+
+    Attributes:
+        inner_state: the wrapped optimizer's state, exactly as after the last
+            finite step.
+        last_finite: whether the latest gradients were finite (bool scalar).
+        notfinite_count: non-finite steps in a row, up to the latest (int32).
+        total_notfinite: non-finite (skipped) steps since `init` (int32).
+    """
+
+    inner_state: Any
+    last_finite: jax.Array
+    notfinite_count: jax.Array
+    total_notfinite: jax.Array
+
+
+def skip_nonfinite_updates(
+    optimizer: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap `optimizer` so that steps with inf/NaN gradients are skipped and counted.
+
+    On a step whose gradients contain inf or NaN in any inexact leaf, the returned
+    updates are zeros and the inner state is returned unchanged, bit for bit; the
+    skip is recorded in `SkipNonFiniteState`. Pair it with `apply_if_finite_updates`
+    to keep the parameters' bits unchanged as well.
+
+    Args:
+        optimizer: any optax gradient transformation.
+
+    Returns:
+        A `GradientTransformationExtraArgs` whose state is a `SkipNonFiniteState`.
+
+    Raises:
+        TypeError: if `optimizer` has no ``init``/``update`` functions.
+    """
+    if not all(callable(getattr(optimizer, name, None)) for name in ("init", "update")):
+        raise TypeError(
+            "skip_nonfinite_updates expects an optax GradientTransformation, got "
+            f"{optimizer!r}."
+        )
+    inner = optax.with_extra_args_support(optimizer)
+
+    def init(params: Any) -> SkipNonFiniteState:
+        zero = jnp.zeros([], jnp.int32)
+        return SkipNonFiniteState(inner.init(params), jnp.array(True), zero, zero)
+
+    def update(grads, state: SkipNonFiniteState, params=None, **extra_args):
+        finite = all_finite(grads)
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, updates)
+        skipped = (~finite).astype(jnp.int32)
+        return select_tree(finite, updates, zeros), SkipNonFiniteState(
+            inner_state=select_tree(finite, inner_state, state.inner_state),
+            last_finite=finite,
+            notfinite_count=(state.notfinite_count + 1) * skipped,
+            total_notfinite=state.total_notfinite + skipped,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def apply_if_finite_updates(params: Any, updates: Any, finite: Any) -> Any:
+    """`optax.apply_updates(params, updates)` if `finite`, else `params` bit for bit.
+
+    Args:
+        params: the parameters (a pytree of arrays).
+        updates: updates with the same structure, e.g. from an optimizer wrapped in
+            `skip_nonfinite_updates`.
+        finite: a boolean scalar, e.g. ``opt_state.last_finite`` of a
+            `SkipNonFiniteState` or `jaxamp.all_finite(grads)`.
+
+    Returns:
+        The new parameters.
+
+    Raises:
+        AssertionError: if `finite` is not a boolean scalar (see `select_tree`).
+    """
+    return select_tree(finite, optax.apply_updates(params, updates), params)
