@@ -1,0 +1,321 @@
+"""jaxamp's DynamicScalerState and dynamic_scale_grad / dynamic_scale_value_and_grad."""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp import DynamicScalerState, dynamic_scale_grad, dynamic_scale_value_and_grad
+
+
+def test_dynamic_scaler():
+    """The original jaxamp package's test, unchanged but for formatting."""
+
+    def func(x):
+        return x**3
+
+    def aux_func(x):
+        return x**3, 1.0
+
+    for aux in [True, False]:
+        for filter in [True, False]:
+            f = aux_func if aux else func
+            scaler_state = DynamicScalerState(scaler=2**15, patience=10)
+            x = jnp.array(2.0, dtype=jnp.float16)
+            value_and_grad_fn = jax.jit(
+                dynamic_scale_value_and_grad(f, filter=filter, has_aux=aux, redo_on_nan=100)
+            )
+            scaler_state, (value, grad) = value_and_grad_fn(x, dynamic_scaler_state=scaler_state)
+            if aux:
+                value, aux_v = value
+                assert aux_v == 1.0
+            assert scaler_state.scaler == 2**12 and scaler_state.count == 1
+            assert grad == 12.0 and value == 8.0
+            for i in range(8):
+                scaler_state, _ = value_and_grad_fn(x, dynamic_scaler_state=scaler_state)
+            assert scaler_state.scaler == 2**12 and scaler_state.count == 9
+            scaler_state, _ = value_and_grad_fn(x, dynamic_scaler_state=scaler_state)
+            assert scaler_state.count == 10
+            scaler_state, _ = value_and_grad_fn(x, dynamic_scaler_state=scaler_state)
+            assert scaler_state.scaler == 2**13 and scaler_state.count == 0
+            scaler_state, _ = value_and_grad_fn(x, dynamic_scaler_state=scaler_state)
+            assert scaler_state.scaler == 2**12 and scaler_state.count == 1
+
+
+@pytest.mark.parametrize("filter", [True, False])
+def test_without_redo_each_overflow_costs_one_step(filter):
+    state = DynamicScalerState(scaler=2**15, patience=10)
+    fn = jax.jit(dynamic_scale_value_and_grad(lambda x: x**3, filter=filter, redo_on_nan=0))
+    x = jnp.array(2.0, dtype=jnp.float16)
+    seen = []
+    for _ in range(4):
+        state, (value, grad) = fn(x, dynamic_scaler_state=state)
+        seen.append((float(state.scaler), int(state.count), int(state.total_resets)))
+    assert seen == [(2**14, 0, 1), (2**13, 0, 2), (2**12, 0, 3), (2**12, 1, 3)]
+    assert float(value) == 8.0 and float(grad) == 12.0
+
+
+def _flagged(x, bad):
+    """x**2, or NaN where `bad` (a traced flag, to inject failures)."""
+    return jnp.where(bad, jnp.nan, 1.0) * jnp.sum(x**2)
+
+
+@pytest.fixture(scope="module")
+def flagged_grad():
+    return jax.jit(dynamic_scale_grad(_flagged, filter=False))
+
+
+def _step(fn, state, bad):
+    state, grads = fn(jnp.array([1.0, 2.0]), jnp.bool_(bad), dynamic_scaler_state=state)
+    return state, grads
+
+
+def test_finite_step_below_patience_counts_up(flagged_grad):
+    state, grads = _step(flagged_grad, DynamicScalerState(patience=3, scaler=8.0, count=1), False)
+    assert (float(state.scaler), int(state.count), int(state.total_resets)) == (8.0, 2, 0)
+    np.testing.assert_array_equal(grads, [2.0, 4.0])
+
+
+def test_finite_step_at_patience_grows_and_restarts(flagged_grad):
+    state, _ = _step(flagged_grad, DynamicScalerState(patience=3, scaler=8.0, count=3), False)
+    assert (float(state.scaler), int(state.count), int(state.total_resets)) == (16.0, 0, 0)
+
+
+def test_count_above_patience_also_grows(flagged_grad):
+    state, _ = _step(flagged_grad, DynamicScalerState(patience=3, scaler=8.0, count=7), False)
+    assert (float(state.scaler), int(state.count)) == (16.0, 0)
+
+
+def test_non_finite_step_shrinks_resets_and_counts(flagged_grad):
+    start = DynamicScalerState(patience=3, adjust_factor=4.0, scaler=8.0, count=2, total_resets=5)
+    state, grads = _step(flagged_grad, start, True)
+    assert (float(state.scaler), int(state.count), int(state.total_resets)) == (2.0, 0, 6)
+    assert not bool(jaxamp.all_finite(grads))
+    assert int(state.patience) == 3 and float(state.adjust_factor) == 4.0
+
+
+def test_full_growth_cycle_with_patience_two(flagged_grad):
+    state = DynamicScalerState(patience=2, scaler=1.0)
+    seen = []
+    for bad in [False, False, False, False, True, False]:
+        state, _ = _step(flagged_grad, state, bad)
+        seen.append((float(state.scaler), int(state.count)))
+    assert seen == [(1, 1), (1, 2), (2, 0), (2, 1), (1, 0), (1, 1)]
+
+
+def test_redo_gives_up_after_redo_on_nan_retries():
+    fn = jax.jit(dynamic_scale_value_and_grad(lambda x: x * jnp.nan, redo_on_nan=3))
+    start = DynamicScalerState(scaler=2.0**10)
+    state, (value, grad) = fn(jnp.float32(1.0), dynamic_scaler_state=start)
+    # One attempt plus three retries, each halving the scale.
+    assert float(state.scaler) == 2.0**6 and int(state.total_resets) == 4
+    assert np.isnan(value) and np.isnan(grad)
+
+
+def test_redo_stops_at_the_first_finite_attempt():
+    fn = jax.jit(dynamic_scale_grad(lambda x: x**3, redo_on_nan=50))
+    state, grad = fn(jnp.float16(2.0), dynamic_scaler_state=DynamicScalerState(scaler=2.0**20))
+    # 12 * scale must fit in float16 (max 65504): the first scale that does is 2**12.
+    assert float(state.scaler) == 2.0**12 and int(state.total_resets) == 8
+    assert float(grad) == 12.0
+
+
+def test_redo_works_without_jit():
+    fn = dynamic_scale_grad(lambda x: x**3, redo_on_nan=5)
+    state, grad = fn(jnp.float16(2.0), dynamic_scaler_state=DynamicScalerState(scaler=2.0**14))
+    assert float(state.scaler) == 2.0**12 and float(grad) == 12.0
+
+
+def test_value_and_grads_come_back_unscaled_in_float32():
+    fn = dynamic_scale_value_and_grad(lambda p: jnp.sum(p["w"] * p["b"]), redo_on_nan=0)
+    params = {"w": jnp.full(3, 2.0, jnp.float16), "b": jnp.full(3, 0.5, jnp.bfloat16)}
+    _, (value, grads) = fn(params, dynamic_scaler_state=DynamicScalerState(scaler=2.0**8))
+    assert value.dtype == jnp.float32 and float(value) == 3.0
+    assert grads["w"].dtype == jnp.float32 and grads["b"].dtype == jnp.float32
+    np.testing.assert_array_equal(grads["w"], [0.5] * 3)
+    np.testing.assert_array_equal(grads["b"], [2.0] * 3)
+
+
+def test_nan_in_aux_does_not_touch_the_scale():
+    def loss(x):
+        return x**2, {"ratio": jnp.float32(0.0) / 0.0}
+
+    fn = jax.jit(dynamic_scale_value_and_grad(loss, has_aux=True, redo_on_nan=5))
+    start = DynamicScalerState(scaler=4.0)
+    state, ((value, aux), grad) = fn(jnp.float32(3.0), dynamic_scaler_state=start)
+    assert (float(state.scaler), int(state.count), int(state.total_resets)) == (4.0, 1, 0)
+    assert float(value) == 9.0 and float(grad) == 6.0 and np.isnan(aux["ratio"])
+
+
+def test_redo_keeps_non_array_aux():
+    def loss(x):
+        return x**3, {"name": "cube", "n": 3, "ints": jnp.arange(2), "weak": jnp.asarray(1.0)}
+
+    fn = dynamic_scale_value_and_grad(loss, has_aux=True, redo_on_nan=4)
+    start = DynamicScalerState(scaler=2.0**14)
+    state, ((value, aux), grad) = fn(jnp.float16(2.0), dynamic_scaler_state=start)
+    assert float(state.scaler) == 2.0**12 and float(value) == 8.0 and float(grad) == 12.0
+    assert aux["name"] == "cube" and aux["n"] == 3
+    np.testing.assert_array_equal(aux["ints"], [0, 1])
+    assert aux["ints"].dtype == jnp.int32 and float(aux["weak"]) == 1.0
+
+
+def test_grad_with_aux_returns_grads_and_aux():
+    fn = dynamic_scale_grad(lambda x: (3.0 * x, "label"), has_aux=True)
+    state, (grad, aux) = fn(jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState())
+    assert float(grad) == 3.0 and aux == "label" and int(state.count) == 1
+
+
+class _MLP(eqx.Module):
+    weight: jax.Array
+    bias: jax.Array
+    activation: Callable
+    depth: int
+
+    def __call__(self, x):
+        return self.activation(self.weight * x + self.bias)
+
+
+class _StaticMLP(eqx.Module):
+    weight: jax.Array
+    bias: jax.Array
+    activation: Callable = eqx.field(static=True)
+    depth: int = eqx.field(static=True)
+
+    __call__ = _MLP.__call__
+
+
+def _mlp_loss(model, x):
+    return jnp.sum(model(x) ** 2)
+
+
+def test_filter_true_differentiates_arrays_and_skips_other_fields():
+    model = _MLP(jnp.array([1.0, 2.0]), jnp.array([0.5, -0.5]), jax.nn.relu, 2)
+    fn = eqx.filter_jit(dynamic_scale_grad(_mlp_loss, filter=True))
+    state, grads = fn(model, jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState())
+    expected = jax.grad(lambda w, b: jnp.sum(jax.nn.relu(w + b) ** 2), argnums=(0, 1))(
+        model.weight, model.bias
+    )
+    np.testing.assert_allclose(grads.weight, expected[0])
+    np.testing.assert_allclose(grads.bias, expected[1])
+    assert grads.activation is None and grads.depth is None
+    assert int(state.count) == 1
+
+
+def test_filter_false_uses_jax_grad():
+    model = _StaticMLP(jnp.array([1.0, 2.0]), jnp.array([0.5, -0.5]), jax.nn.relu, 2)
+    fn = jax.jit(dynamic_scale_grad(_mlp_loss, filter=False))
+    _, grads = fn(model, jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState())
+    np.testing.assert_allclose(grads.weight, [3.0, 3.0])
+    assert grads.activation is jax.nn.relu
+    # jax.grad refuses the non-array leaves that filter=True skips.
+    loose = _MLP(model.weight, model.bias, jax.nn.relu, 2)
+    with pytest.raises(TypeError):
+        dynamic_scale_grad(_mlp_loss, filter=False)(
+            loose, jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState()
+        )
+
+
+def test_kwargs_are_forwarded_to_the_grad_transform():
+    fn = dynamic_scale_grad(lambda a, b: a * b**2, filter=False, argnums=1)
+    _, grad = fn(jnp.float32(3.0), jnp.float32(2.0), dynamic_scaler_state=DynamicScalerState())
+    assert float(grad) == 12.0
+
+
+def test_dynamic_scale_tx_with_a_custom_transform():
+    tx = jaxamp.dynamic_scale_tx(jax.grad)
+    state, grad = tx(lambda x: x**2)(jnp.float32(3.0), dynamic_scaler_state=DynamicScalerState())
+    assert float(grad) == 6.0 and int(state.count) == 1
+
+
+def test_state_normalises_python_numbers():
+    state = DynamicScalerState(patience=10, adjust_factor=3, scaler=2**15, count=np.int64(2))
+    dtypes = [leaf.dtype for leaf in state]
+    assert dtypes == [jnp.int32, jnp.float32, jnp.float32, jnp.int32, jnp.int32]
+    assert all(leaf.shape == () for leaf in state)
+    assert float(state.scaler) == 2**15 and int(state.count) == 2
+    default = DynamicScalerState()
+    assert int(default.patience) == 2000 and float(default.adjust_factor) == 2.0
+    assert float(default.scaler) == 2**15 and int(default.total_resets) == 0
+    assert jaxamp.DynamicLossScaler is DynamicScalerState
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(patience=True), TypeError, "patience.*True"),
+        (dict(patience=10.0), TypeError, "patience.*10.0"),
+        (dict(count=jnp.float32(1)), TypeError, "count.*float32"),
+        (dict(scaler=jnp.array(2**15)), TypeError, "scaler.*int32"),
+        (dict(scaler="big"), TypeError, "scaler.*str"),
+        (dict(scaler=0.0), ValueError, "scaler.*> 0.0"),
+        (dict(adjust_factor=0.5), ValueError, "adjust_factor.*0.5"),
+        (dict(patience=-1), ValueError, "patience.*-1"),
+        (dict(scaler=jnp.ones(2)), ValueError, "scaler.*shape"),
+    ],
+)
+def test_state_rejects_bad_fields(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DynamicScalerState(**kwargs)
+
+
+def test_state_is_a_namedtuple_pytree():
+    state = DynamicScalerState(patience=4)
+    assert isinstance(state, tuple) and state._fields[-1] == "total_resets"
+    assert type(state._replace(count=jnp.int32(1))) is DynamicScalerState
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+    assert paths == [".patience", ".adjust_factor", ".scaler", ".count", ".total_resets"]
+    # Rebuilding with non-numeric leaves (filter specs, vmap axes) must not validate.
+    assert jax.tree_util.tree_map(lambda _: True, state).count is True
+    assert jax.tree_util.tree_map(lambda _: 0, state).scaler == 0
+
+
+def test_state_carried_through_jit_without_retracing():
+    traces = []
+
+    def loss(x):
+        traces.append(None)
+        return x**2
+
+    fn = jax.jit(dynamic_scale_grad(loss, redo_on_nan=2))
+    state = DynamicScalerState(scaler=2**4, patience=1)
+    for _ in range(3):
+        state, _ = fn(jnp.float32(1.0), dynamic_scaler_state=state)
+    assert float(state.scaler) == 2**5 and int(state.count) == 1
+    # One trace for filter_eval_shape and one for the loop body, then cache hits.
+    assert len(traces) == 2
+
+
+def test_wrong_state_type_is_a_type_error_naming_it():
+    fn = dynamic_scale_grad(lambda x: x**2)
+    with pytest.raises(TypeError, match="DynamicLossScale"):
+        fn(jnp.float32(1.0), dynamic_scaler_state=jaxamp.DynamicLossScale(jnp.float32(2.0)))
+    with pytest.raises(TypeError, match="tuple"):
+        fn(jnp.float32(1.0), dynamic_scaler_state=tuple(DynamicScalerState()))
+    with pytest.raises(TypeError, match="dynamic_scaler_state"):
+        fn(jnp.float32(1.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(redo_on_nan=-1), ValueError, "redo_on_nan.*-1"),
+        (dict(redo_on_nan=1.5), TypeError, "redo_on_nan.*1.5"),
+        (dict(redo_on_nan=True), TypeError, "redo_on_nan.*True"),
+        (dict(has_aux="yes"), TypeError, "has_aux.*yes"),
+        (dict(filter=None), TypeError, "filter.*None"),
+    ],
+)
+def test_bad_arguments_fail_before_tracing(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        dynamic_scale_value_and_grad(lambda x: x, **kwargs)
+
+
+def test_non_callable_fun_is_rejected():
+    with pytest.raises(TypeError, match="function to differentiate"):
+        dynamic_scale_grad(3.0)
+

@@ -1,0 +1,126 @@
+"""jmp-style loss scales beyond jmp's own tests (those are in test_jmp_loss_scale.py)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+
+def _sequence(seed, n=60, p_bad=0.15):
+    return np.random.default_rng(seed).random(n) >= p_bad
+
+
+@pytest.mark.parametrize(
+    "period, factor, min_loss_scale", [(3, 2, 1.0), (5, 3, 0.25), (2, 2.0, 0.0)]
+)
+def test_dynamic_loss_scale_matches_installed_jmp(period, factor, min_loss_scale):
+    jmp = pytest.importorskip("jmp")
+    kwargs = dict(period=period, factor=factor, min_loss_scale=jnp.float32(min_loss_scale))
+    ours = jaxamp.DynamicLossScale(jnp.float32(2**4), jnp.int32(0), **kwargs)
+    theirs = jmp.DynamicLossScale(jnp.float32(2**4), jnp.int32(0), **kwargs)
+    tree = {"g": jnp.array([1.0, -3.0], jnp.float16)}
+    for finite in _sequence(period):
+        finite = jnp.bool_(finite)
+        ours, theirs = ours.adjust(finite), theirs.adjust(finite)
+        assert float(ours.loss_scale) == float(theirs.loss_scale)
+        assert int(ours.counter) == int(theirs.counter)
+        for method in ("scale", "unscale"):
+            a, b = getattr(ours, method)(tree), getattr(theirs, method)(tree)
+            assert a["g"].dtype == b["g"].dtype
+            np.testing.assert_array_equal(a["g"], b["g"])
+
+
+def test_dynamic_loss_scale_counter_and_scale_sequence():
+    scale = jaxamp.DynamicLossScale(jnp.float32(8), period=2, factor=2)
+    seen = []
+    for finite in [True, True, True, False, True, True]:
+        scale = scale.adjust(jnp.bool_(finite))
+        seen.append((float(scale.loss_scale), int(scale.counter)))
+    assert seen == [(8, 1), (16, 0), (16, 1), (8, 0), (8, 1), (16, 0)]
+
+
+def test_dynamic_loss_scale_does_not_grow_into_inf():
+    big = jnp.float32(np.finfo(np.float32).max / 2 * 1.5)
+    scale = jaxamp.DynamicLossScale(big, period=1).adjust(jnp.bool_(True))
+    assert float(scale.loss_scale) == float(big)
+
+
+def test_dynamic_loss_scale_adjust_requires_a_scalar():
+    with pytest.raises(AssertionError, match="Expected boolean scalar"):
+        jaxamp.DynamicLossScale(jnp.float32(2)).adjust(jnp.array([True]))
+
+
+def test_dynamic_loss_scale_through_jit_keeps_custom_min_loss_scale():
+    # jmp resets min_loss_scale to 1 here; we keep it.
+    scale = jaxamp.DynamicLossScale(jnp.float32(1), min_loss_scale=jnp.float32(2.0**-3))
+    step = jax.jit(lambda s: s.adjust(jnp.bool_(False)))
+    for expected in [0.5, 0.25, 0.125, 0.125]:
+        scale = step(scale)
+        assert float(scale.loss_scale) == expected
+    assert scale.min_loss_scale.dtype == np.float32 and float(scale.min_loss_scale) == 0.125
+
+
+def test_dynamic_loss_scale_jit_matches_eager():
+    eager = jit_scale = jaxamp.DynamicLossScale(jnp.float32(4), period=3)
+    step = jax.jit(lambda s, f: s.adjust(f))
+    for finite in _sequence(7, n=20, p_bad=0.3):
+        eager = eager.adjust(jnp.bool_(finite))
+        jit_scale = step(jit_scale, jnp.bool_(finite))
+        assert float(eager.loss_scale) == float(jit_scale.loss_scale)
+        assert int(eager.counter) == int(jit_scale.counter)
+
+
+def test_rebuilding_from_leaves_does_not_warn():
+    scale = jaxamp.DynamicLossScale(jnp.float32(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flags = jax.tree_util.tree_map(lambda _: True, scale)
+    assert flags.loss_scale is True and flags.counter is True
+
+
+def test_warn_if_not_floating():
+    with pytest.warns(UserWarning, match="Expected floating type for x, got int32"):
+        jaxamp.warn_if_not_floating(jnp.int32(1), "x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxamp.warn_if_not_floating(jnp.float16(1), "x")
+        jaxamp.warn_if_not_floating(2.0, "x")
+        jaxamp.warn_if_not_floating(object(), "x")
+
+
+def test_static_and_noop_scales_are_static_pytree_data():
+    scale = jaxamp.StaticLossScale(128.0)
+    assert jax.tree_util.tree_leaves(scale) == []
+    out = jax.jit(lambda s, g: s.unscale(s.scale(g)), static_argnums=0)(scale, jnp.ones(2))
+    np.testing.assert_array_equal(out, jnp.ones(2))
+    assert scale.adjust(jnp.bool_(False)) is scale
+    noop = jaxamp.NoOpLossScale()
+    assert noop.loss_scale == 1 and noop.adjust(jnp.bool_(False)) is noop
+
+
+def test_scaling_a_float16_loss_can_overflow():
+    loss = jnp.float16(8.0)
+    assert bool(jnp.isfinite(jaxamp.StaticLossScale(jnp.float16(2**12)).scale(loss)))
+    assert not bool(jnp.isfinite(jaxamp.StaticLossScale(jnp.float16(2**14)).scale(loss)))
+
+
+def test_register_empty_pytree():
+    class Marker:
+        pass
+
+    jaxamp.register_empty_pytree(Marker)
+    marker = Marker()
+    leaves, treedef = jax.tree_util.tree_flatten(marker)
+    assert leaves == [] and jax.tree_util.tree_unflatten(treedef, []) is marker
+
+
+def test_loss_scale_union_covers_the_three_classes():
+    assert set(jaxamp.LossScale.__args__) == {
+        jaxamp.NoOpLossScale,
+        jaxamp.StaticLossScale,
+        jaxamp.DynamicLossScale,
+    }
