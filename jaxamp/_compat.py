@@ -149,13 +149,15 @@ def eqn_source_line(eqn: JaxprEqn) -> str | None:
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
-def _debug_info(name: str) -> Any:
-    return _lu.DebugInfo("jaxamp", name, None, None)
+def _debug_info(name: str, num_args: int | None = None) -> Any:
+    # JAX 0.10.0's while-loop JVP concatenates `arg_names`: give one per input.
+    arg_names = None if num_args is None else ("",) * num_args
+    return _lu.DebugInfo("jaxamp", name, arg_names, None)
 
 
-def wrap_fun(fn: Callable, like: Any = None, name: str = "amp") -> Any:
+def wrap_fun(fn: Callable, like: Any = None, name: str = "amp", num_args: int | None = None) -> Any:
     """Wrap a Python callable as the `WrappedFun` that primitives' subfuns expect."""
-    debug_info = getattr(like, "debug_info", None) or _debug_info(name)
+    debug_info = getattr(like, "debug_info", None) or _debug_info(name, num_args)
     return _lu.wrap_init(fn, debug_info=debug_info)
 
 
@@ -165,9 +167,9 @@ def trace_to_closed_jaxpr(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
     Unlike `jax.make_jaxpr` this keeps the caller's axis environment and mesh, so
     bodies of loops inside `shard_map` or `vmap` with collectives trace correctly.
     """
-    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
-        wrap_fun(fn, name=getattr(fn, "__name__", "amp_body")), list(in_avals)
-    )
+    in_avals = list(in_avals)
+    fun = wrap_fun(fn, name=getattr(fn, "__name__", "amp_body"), num_args=len(in_avals))
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(fun, in_avals)
     return ClosedJaxpr(jaxpr, consts)
 
 

@@ -176,25 +176,32 @@ class AmpReport:
         groups: dict[tuple, list[AmpRow]] = defaultdict(list)
         for row in self.rows:
             groups[(row.scope, row.primitive, row.decided_by, row.dtypes_after, row.output_dtypes)].append(row)
-        header = ("scope", "primitive", "count", "decided by", "operands", "out", "casts", "GFLOP")
+        header = ("scope", "primitive", "count", "decided by", "operands", "out", "casts", "FLOPs")
         lines = [header]
         for (scope, prim, decided, after, out), rows in groups.items():
             flops = sum(r.flops for r in rows)
             lines.append((
                 scope or "-", prim, str(sum(r.trip_count for r in rows)), decided,
                 ",".join(after) or "-", ",".join(out), str(sum(r.casts for r in rows)),
-                f"{flops / 1e9:.3g}" if flops else "",
+                _si(flops) if flops else "",
             ))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         table = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
         summary = (
             f"amp report (compute dtype {self.compute_dtype}): "
-            f"{self.low_precision_flop_fraction:.1%} of {self.total_matmul_flops / 1e9:.3g} GFLOP "
-            f"of matmuls in low precision; {self.casts_inserted} casts inserted; "
+            f"{self.low_precision_flop_fraction:.1%} of {_si(self.total_matmul_flops)} matmul "
+            f"FLOPs in low precision; {self.casts_inserted} casts inserted; "
             f"{self.kept_full_by_rule} equations kept in float32 by rule, "
             f"{self.kept_full_by_amp_stop} inside amp_stop."
         )
         return summary + "\n" + table
+
+
+def _si(value: float) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
 
 
 def explain(fn: Callable, **amp_options: Any) -> Callable[..., AmpReport]:

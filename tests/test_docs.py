@@ -1,0 +1,55 @@
+"""Every Python code block in README.md and docs/*.md runs, so the docs cannot rot.
+
+A ```text block right after a Python block (separated by prose only) is its shown
+output: each of its lines must appear, in order, in what the block printed. A block
+that starts JAX's distributed runtime runs in a fresh process, since
+`jax.distributed.initialize` must precede any other JAX call.
+"""
+
+import contextlib
+import io
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def _blocks():
+    for path in DOCS:
+        text = path.read_text()
+        blocks = [(m.group(1), m.group(2), text.count("\n", 0, m.start(2)) + 1, m) for m in FENCE.finditer(text)]
+        for i, (lang, code, line, match) in enumerate(blocks):
+            if lang != "python":
+                continue
+            shown = None
+            if i + 1 < len(blocks) and blocks[i + 1][0] == "text":
+                between = text[match.end() : blocks[i + 1][3].start()]
+                if "```" not in between:
+                    shown = blocks[i + 1][1]
+            yield pytest.param(path, code, line, shown, id=f"{path.name}:{line}")
+
+
+@pytest.mark.parametrize("path, code, line, shown", list(_blocks()))
+def test_code_block_runs(path, code, line, shown):
+    if "jax.distributed.initialize" in code:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{path.name}:{line} failed:\n{result.stderr[-3000:]}"
+        return
+    # Pad so tracebacks (and jaxamp's source-line reports) point into the file.
+    source = "\n" * (line - 1) + code
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(source, path.name, "exec"), {"__name__": f"docs_{path.stem}"})
+    if shown is not None:
+        printed = out.getvalue().splitlines()
+        position = 0
+        for expected in shown.splitlines():
+            matches = [j for j in range(position, len(printed)) if printed[j].rstrip() == expected.rstrip()]
+            assert matches, f"{path.name}:{line}: shown output line {expected!r} not printed:\n{out.getvalue()}"
+            position = matches[0] + 1
