@@ -24,7 +24,7 @@ from jax._src.ad_util import SymbolicZero, Zero
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = [
-    "JAX_VERSION",
+    "VERSION_DRIFT_ERRORS",
     "ClosedJaxpr",
     "Jaxpr",
     "JaxprEqn",
@@ -43,6 +43,7 @@ __all__ = [
     "eqn_source",
     "eqn_source_line",
     "eqn_user_frame",
+    "jax_version_string",
     "jit_p",
     "legacy_context_mesh",
     "remat_p",
@@ -57,9 +58,13 @@ __all__ = [
     "wrap_fun",
 ]
 
-JAX_VERSION: tuple[int, ...] = tuple(
-    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()
-)
+# What a handler raises when a JAX release moved an internal it relies on.
+VERSION_DRIFT_ERRORS: tuple[type[BaseException], ...] = (ImportError, AttributeError, KeyError)
+
+
+def jax_version_string() -> str:
+    return jax.__version__
+
 
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr

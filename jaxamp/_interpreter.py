@@ -9,6 +9,7 @@ remat, custom derivatives, shard_map) are handed to their handlers in
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -104,7 +105,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         handler = HANDLERS.get(eqn.primitive)
         with _compat.eqn_source(eqn):
             if handler is not None:
-                outvals = handler(ctx.nested(eqn), eqn, invals)
+                outvals = _run_handler(handler, ctx, eqn, invals)
             else:
                 outvals = _apply_rule(ctx, eqn, invals)
         if not eqn.primitive.multiple_results:
@@ -114,14 +115,36 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     return [read(v) for v in jaxpr.outvars]
 
 
-def _apply_rule(ctx: AmpContext, eqn: Any, invals: list) -> Any:
+def _run_handler(handler: Callable, ctx: AmpContext, eqn: Any, invals: list) -> Any:
+    try:
+        return handler(ctx.nested(eqn), eqn, invals)
+    except _compat.VERSION_DRIFT_ERRORS as err:
+        # A JAX release changed this primitive's internals under us. Running it
+        # unchanged at original precision is slower but correct; crashing the
+        # user's program is not an option.
+        if eqn.primitive.name not in _warned:
+            _warned.add(eqn.primitive.name)
+            warnings.warn(
+                f"jaxamp could not rewrite {eqn.primitive.name!r} on JAX "
+                f"{_compat.jax_version_string()} ({type(err).__name__}: {err}); its body "
+                "runs at original precision. Please report this with your JAX version.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return _apply_rule(ctx, eqn, invals, force_original=True)
+
+
+_warned: set[str] = set()
+
+
+def _apply_rule(ctx: AmpContext, eqn: Any, invals: list, force_original: bool = False) -> Any:
     scopes = ctx.scopes + _compat.eqn_scopes(eqn)
     choice = choose_rule(ctx.policy, scopes, eqn.primitive)
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     original = tuple(getattr(v.aval, "dtype", None) for v in eqn.invars)
     params = eqn.primitive.get_bind_params(eqn.params)
-    if "subfuns" in params:
+    if "subfuns" in params or force_original:
         # An unknown higher-order primitive: its body cannot be rewritten, so
         # it gets exactly the operands it was traced with.
         choice = RuleChoice(use_original_precision, "original")

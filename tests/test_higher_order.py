@@ -227,3 +227,20 @@ def test_closed_call_body_is_rewritten():
 
     assert_all_matmuls_in(jax.make_jaxpr(amp(f))(W, X), jnp.float16)
     np.testing.assert_allclose(amp(f)(W, X), X @ W, atol=3e-2)
+
+
+def test_handler_broken_by_a_jax_upgrade_falls_back_to_original_precision(monkeypatch):
+    from jaxamp import _compat, _higher_order
+
+    def broken(ctx, eqn, invals):
+        raise AttributeError("module 'jax._src.core' has no attribute 'moved'")
+
+    monkeypatch.setitem(_higher_order.HANDLERS, _compat.scan_p, broken)
+
+    def f(w, x):
+        return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=2)[0]
+
+    with pytest.warns(RuntimeWarning, match="could not rewrite 'scan'.*original precision"):
+        jaxpr = jax.make_jaxpr(amp(f))(W, X)
+    assert_all_matmuls_in(jaxpr, jnp.float32)
+    np.testing.assert_allclose(amp(f)(W, X), f(W, X), rtol=1e-6)
