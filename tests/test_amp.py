@@ -404,3 +404,30 @@ def test_exports():
     for name in ["amp", "amp_stop", "default_amp_policy", "use_compute_precision",
                  "use_original_precision", "use_precision", "use_widest_precision"]:
         assert name in jaxamp.__all__
+
+
+# --- policies -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["p=f32,c=bf16,o=f32", jaxamp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)])
+def test_policy_sets_compute_dtype(policy):
+    f = amp(_mlp, policy=policy)
+    assert_all_matmuls_in(jax.make_jaxpr(f)(W, X), jnp.bfloat16)
+    assert f(W, X).dtype == jnp.float32
+
+
+def test_policy_output_dtype_casts_floating_outputs_only():
+    out = amp(lambda w, x: (x @ w, jnp.argmax(x, -1)), policy="c=bf16")(W, X)  # o follows c
+    assert out[0].dtype == jnp.bfloat16 and out[1].dtype == jnp.int32
+    out = amp(lambda w, x: x @ w, policy="p=f32,c=f16,o=f32")(W, X)
+    assert out.dtype == jnp.float32
+
+
+def test_policy_and_compute_dtype_must_agree():
+    assert amp(_mlp, policy="c=bf16", compute_dtype="bf16")(W, X).dtype == jnp.bfloat16  # o follows c
+    with pytest.raises(ValueError, match="disagree"):
+        amp(_mlp, policy="c=bf16", compute_dtype="f16")
+    with pytest.raises(ValueError, match="f17"):
+        amp(_mlp, policy="c=f17")
+    with pytest.raises(TypeError):
+        amp(_mlp, policy=3)
