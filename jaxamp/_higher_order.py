@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
 from . import _compat
@@ -76,25 +77,27 @@ def _out_dtypes(closed: Any) -> list:
 # --- calls: jit, closed_call, remat ----------------------------------------------
 
 
-@register(_compat.jit_p)
-def _jit(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
-    closed = eqn.params["jaxpr"]
-    if ctx.inline:
-        return interpret(closed.jaxpr, closed.consts, invals, ctx)
+def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
+    """`closed` re-traced under amp for operands as amp holds them."""
     body = _amp_body(closed.jaxpr, closed.consts, ctx)
-    new = _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
-    return _compat.jit_p.bind(*invals, **dict(eqn.params, jaxpr=new))
+    return _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
 
 
-@register(_compat.closed_call_p)
-def _closed_call(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
-    closed = eqn.params["call_jaxpr"]
-    if ctx.inline:
-        return interpret(closed.jaxpr, closed.consts, invals, ctx)
-    body = _amp_body(closed.jaxpr, closed.consts, ctx)
-    new = _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
-    params = _compat.closed_call_p.get_bind_params(dict(eqn.params, call_jaxpr=new))
-    return _compat.closed_call_p.bind(*invals, **params)
+def _call_handler(primitive: Any, jaxpr_param: str) -> Handler:
+    """Handler for a call-like primitive whose body is the closed jaxpr `jaxpr_param`."""
+
+    def handler(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
+        closed = eqn.params[jaxpr_param]
+        if ctx.inline:
+            return interpret(closed.jaxpr, closed.consts, invals, ctx)
+        params = dict(eqn.params, **{jaxpr_param: _amp_closed_jaxpr(ctx, closed, invals)})
+        return primitive.bind(*invals, **primitive.get_bind_params(params))
+
+    return handler
+
+
+register(_compat.jit_p)(_call_handler(_compat.jit_p, "jaxpr"))
+register(_compat.closed_call_p)(_call_handler(_compat.closed_call_p, "call_jaxpr"))
 
 
 @register(_compat.remat_p)
@@ -208,8 +211,6 @@ def _report(ctx: AmpContext, traced: _Traced) -> None:
 
 
 def _scan_inline(ctx, eqn, consts, init, xs):
-    import jax.numpy as jnp
-
     params = eqn.params
     closed = params["jaxpr"]
     num_carry, length = params["num_carry"], params["length"]
@@ -320,17 +321,12 @@ def _cond(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
 # --- custom derivatives -------------------------------------------------------------
 
 
-def _trace_primal(ctx: AmpContext, call_jaxpr: Any, invals: list) -> Any:
-    body = _amp_body(call_jaxpr.jaxpr, call_jaxpr.consts, ctx)
-    return _compat.trace_to_closed_jaxpr(body, _avals_like(call_jaxpr.in_avals, invals))
-
-
 @register(_compat.custom_jvp_call_p)
 def _custom_jvp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     params, (call_jaxpr, num_consts), jvp_jaxpr_fun = _compat.custom_jvp_subfuns(eqn.params)
     if ctx.inline:
         return interpret(call_jaxpr.jaxpr, call_jaxpr.consts, invals, ctx)
-    primal = _trace_primal(ctx, call_jaxpr, invals)
+    primal = _amp_closed_jaxpr(ctx, call_jaxpr, invals)
     out_dtypes = _out_dtypes(primal)
 
     def jvp(*xs):
@@ -364,7 +360,7 @@ def _custom_vjp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     params, (call_jaxpr, num_consts), fwd_jaxpr_thunk, bwd = _compat.custom_vjp_subfuns(eqn.params)
     if ctx.inline:
         return interpret(call_jaxpr.jaxpr, call_jaxpr.consts, invals, ctx)
-    primal = _trace_primal(ctx, call_jaxpr, invals)
+    primal = _amp_closed_jaxpr(ctx, call_jaxpr, invals)
     out_dtypes = _out_dtypes(primal)
     num_out = len(out_dtypes)
     in_dtypes = [dtype_of(x) for x in invals]
