@@ -1,0 +1,136 @@
+"""The four precision variants the benchmarks compare, applied to any loss function.
+
+=================  =========================================================
+``f32``            the loss as written (float32 everywhere)
+``hand_bf16``      jmp style: parameters and inputs cast to bfloat16 at the top
+                   with a `jaxamp.Policy`, the loss upcast to float32 by the
+                   model code (`benchmarks.models.cross_entropy`)
+``amp_bf16``       ``jaxamp.amp(loss, compute_dtype="bf16")``
+``amp_f16_scaled`` ``jaxamp.amp(loss, compute_dtype="f16")`` differentiated by
+                   `jaxamp.dynamic_scale_value_and_grad`, skipping the
+                   optimizer step when the gradients are not finite
+=================  =========================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+import jaxamp
+
+__all__ = ["VARIANTS", "Variant", "hand_cast"]
+
+_HAND_CAST_POLICY = jaxamp.get_policy("p=f32,c=bf16,o=f32")
+
+
+def hand_cast(loss_fn: Callable, policy: jaxamp.Policy = _HAND_CAST_POLICY) -> Callable:
+    """Wrap ``loss_fn(params, *batch)`` the way jmp users write mixed precision.
+
+    Floating parameters and inputs are cast to ``policy.compute_dtype`` on the way
+    in and the loss to ``policy.output_dtype`` on the way out; everything in
+    between runs in whatever dtype its operands have.
+    """
+
+    def loss(params, *batch):
+        params, batch = policy.cast_to_compute((params, batch))
+        return policy.cast_to_output(loss_fn(params, *batch))
+
+    return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of running a loss in (mixed) precision.
+
+    Attributes:
+        key: short identifier, used in file names and on the command line.
+        label: what tables and plots call it.
+        wrap: ``wrap(loss_fn) -> loss_fn`` applying the precision choice.
+        scaled: differentiate with dynamic loss scaling.
+    """
+
+    key: str
+    label: str
+    wrap: Callable[[Callable], Callable]
+    scaled: bool = False
+
+    def init_scaler(self) -> jaxamp.DynamicScalerState | None:
+        """The loss-scaler state the gradient function starts from (None if unscaled)."""
+        return jaxamp.DynamicScalerState() if self.scaled else None
+
+    def value_and_grad(self, loss_fn: Callable) -> Callable:
+        """``grad_fn(scaler, params, *batch) -> (loss, grads, scaler)`` for this variant.
+
+        Unscaled variants pass ``scaler`` (None) through untouched, so that all
+        variants are called, lowered and timed the same way.
+        """
+        loss = self.wrap(loss_fn)
+        if not self.scaled:
+            plain = jax.value_and_grad(loss)
+
+            def grad_fn(scaler, params, *batch):
+                value, grads = plain(params, *batch)
+                return value, grads, scaler
+
+            return grad_fn
+        # redo_on_nan=0: a non-finite step is skipped by the optimizer (below)
+        # rather than recomputed in a while loop, as PyTorch's GradScaler does.
+        scaled = jaxamp.dynamic_scale_value_and_grad(loss, redo_on_nan=0)
+
+        def scaled_grad_fn(scaler, params, *batch):
+            scaler, (value, grads) = scaled(params, *batch, dynamic_scaler_state=scaler)
+            return value, grads, scaler
+
+        return scaled_grad_fn
+
+    def train_step(
+        self, loss_fn: Callable, optimizer: optax.GradientTransformation
+    ) -> tuple[Callable, optax.GradientTransformation]:
+        """One optimizer step: ``step(params, opt_state, scaler, *batch)``.
+
+        Returns:
+            ``(step, optimizer)``; initialise the optimizer state with the
+            returned optimizer (for scaled variants it is wrapped in
+            `jaxamp.skip_nonfinite_updates`). ``step`` returns
+            ``(params, opt_state, scaler, loss)``.
+        """
+        grad_fn = self.value_and_grad(loss_fn)
+        if self.scaled:
+            optimizer = jaxamp.skip_nonfinite_updates(optimizer)
+
+        def step(params: Any, opt_state: Any, scaler: Any, *batch: Any):
+            value, grads, scaler = grad_fn(scaler, params, *batch)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            if self.scaled:
+                params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+            else:
+                params = optax.apply_updates(params, updates)
+            return params, opt_state, scaler, value
+
+        return step, optimizer
+
+
+def _identity(loss_fn: Callable) -> Callable:
+    return loss_fn
+
+
+VARIANTS: dict[str, Variant] = {
+    v.key: v
+    for v in (
+        Variant("f32", "float32", _identity),
+        Variant("hand_bf16", "hand-cast bf16", hand_cast),
+        Variant("amp_bf16", "amp bf16", lambda f: jaxamp.amp(f, compute_dtype="bf16")),
+        Variant(
+            "amp_f16_scaled",
+            "amp f16 + dynamic scaling",
+            lambda f: jaxamp.amp(f, compute_dtype="f16"),
+            scaled=True,
+        ),
+    )
+}
+"""The variants by key, in the order tables list them."""

@@ -1,0 +1,130 @@
+"""Smoke tests of the examples and of the benchmark suite's measuring helpers.
+
+The examples run with a handful of steps: these tests check that every mode
+trains, stays finite and writes its outputs, not that the models are good (the
+scripts' default runs check accuracy).
+"""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `benchmarks` is a package at the repository root
+
+from benchmarks import measure, report  # noqa: E402
+
+
+def _load_example(name):
+    # The examples are scripts, not a package: import them from their files.
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_digits_amp_trains_all_modes(tmp_path):
+    digits_amp = _load_example("digits_amp")
+    out = digits_amp.main(["--steps", "40", "--out", str(tmp_path), "--patience", "10"])
+    runs = out["runs"]
+    assert set(runs) == {"float32", "amp bf16", "amp f16 + loss scaling"}
+    for name, r in runs.items():
+        assert len(r.losses) == 40, name
+        assert all(math.isfinite(x) for x in r.losses[-10:]), name
+        # Ten classes: chance is 10%; 40 steps of Adam get far above it.
+        assert 50.0 < r.test_accuracy <= 100.0, (name, r.test_accuracy)
+        assert r.nonfinite_params == 0, name
+    scaled = runs["amp f16 + loss scaling"]
+    assert len(scaled.loss_scales) == 40 and all(s > 0 for s in scaled.loss_scales)
+    assert scaled.skipped_steps == len(scaled.skipped_at)
+    assert out["plot"].exists() and out["plot"].stat().st_size > 0
+
+
+def test_char_lm_smoke():
+    char_lm = _load_example("char_lm")
+    argv = [
+        "--steps", "3", "--print-every", "3", "--batch-size", "2", "--seq-len", "16",
+        "--d-model", "16", "--layers", "2", "--heads", "2", "--corpus-bytes", "20000",
+        "--sample-chars", "4",
+    ]  # fmt: skip
+    out = char_lm.main(argv)
+    for mode in ("float32", "amp bf16"):
+        assert len(out["train_loss"][mode]) == 3
+        assert all(math.isfinite(x) for x in out["train_loss"][mode] + out["val_loss"][mode])
+        # A prompt plus 4 sampled bytes (a byte may decode to U+FFFD).
+        assert all(len(s) >= len("def ") + 1 for s in out["samples"][mode])
+    # Same initialisation, same first batch: the first losses agree to bf16 accuracy.
+    first = [out["train_loss"][m][0] for m in ("float32", "amp bf16")]
+    assert first[0] == pytest.approx(first[1], rel=0.02)
+
+
+def test_matmul_flops_counts_scan_bodies_and_dtypes():
+    w = jnp.ones((3, 4), jnp.bfloat16)
+
+    def f(x):
+        def body(carry, _):
+            return carry, (carry.astype(jnp.bfloat16) @ w)
+
+        _, ys = jax.lax.scan(body, x, None, length=5)
+        return jnp.einsum("bij,bjk->bik", x[None], x.T[None])  # batch 1, 2x3 @ 3x2
+
+    flops = measure.matmul_flops(jax.make_jaxpr(f)(jnp.ones((2, 3))))
+    assert flops["bfloat16"] == 5 * 2 * 2 * 4 * 3
+    assert flops["float32"] == 2 * 2 * 2 * 3
+
+
+def test_matmul_flops_of_a_convolution():
+    lhs = jax.ShapeDtypeStruct((1, 2, 5, 5), jnp.float32)  # NCHW
+    rhs = jax.ShapeDtypeStruct((4, 2, 3, 3), jnp.float32)  # OIHW
+    conv = lambda x, k: jax.lax.conv(x, k, (1, 1), "VALID")  # noqa: E731
+    flops = measure.matmul_flops(jax.make_jaxpr(conv)(lhs, rhs))
+    # 4 output channels x 3x3 positions, each a 2x3x3 window.
+    assert flops["float32"] == 2 * (4 * 3 * 3) * (2 * 3 * 3)
+
+
+def test_residuals_and_converts():
+    def f(w, x):
+        return jnp.sum(jnp.sin(x @ w))
+
+    w = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    res = measure.residuals(f, w, x)
+    # cos(x @ w) (4x8 float32) is saved for sin's derivative; w and x are
+    # saved too (for the matmul's), but as arguments they are counted apart.
+    assert res.saved_bytes == 4 * 8 * 4
+    assert res.argument_bytes == (8 * 8 + 4 * 8) * 4
+    text = jax.jit(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)).lower(x).as_text()
+    assert measure.count_converts(text) == 2
+
+
+def test_markdown_sections_are_replaced_by_label(tmp_path):
+    md = tmp_path / "RESULTS.md"
+
+    def results(label, value):
+        return {
+            "label": label,
+            "machine": dict(
+                backend="cpu", device="cpu", device_count=1, cpu="x", cpu_count=2,
+                jax="0", jaxlib="0", python="3", date="today",
+            ),  # fmt: skip
+            "elapsed_s": 1.0,
+            "command": "python benchmarks/run.py",
+            "workloads": {"gpt": "GPT"},
+            "models": {"gpt": {"f32": {"lower_s": value}, "amp_bf16": {"lower_s": 2 * value}}},
+        }
+
+    report.update_markdown(md, results("a", 1.0), tmp_path / "a.json", None)
+    report.update_markdown(md, results("b", 1.0), tmp_path / "b.json", None)
+    report.update_markdown(md, results("a", 3.0), tmp_path / "a.json", None)
+    text = md.read_text()
+    assert text.count("## a") == 1 and text.count("## b") == 1
+    assert "| 3,000 |" in text and "| 1,000 |" in text  # a updated, b kept
+    assert text.index("## a") < text.index("## b")
+    assert "2.00x" in text
