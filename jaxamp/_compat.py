@@ -49,6 +49,8 @@ __all__ = [
     "remat_p",
     "scan_p",
     "shard_map_p",
+    "scan_layout",
+    "scan_params_with_extra_consts",
     "shard_map_body",
     "ambient_scopes",
     "trace_to_closed_jaxpr",
@@ -191,6 +193,36 @@ def trace_to_jaxpr_with_consts_as_inputs(
     return ClosedJaxpr(jaxpr, ()), list(closed.consts)
 
 
+def scan_layout(params: dict) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan equation.
+
+    JAX 0.10 stores the counts; 0.11 stores ``ft_in``, a flat tree of three
+    groups (constants, carry, xs).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def scan_params_with_extra_consts(params: dict, jaxpr: ClosedJaxpr, num_extra: int) -> dict:
+    """Scan parameters for `jaxpr`, which takes `num_extra` new leading constants."""
+    new = dict(params, jaxpr=jaxpr)
+    if num_extra == 0:
+        return new
+    if "num_consts" in params:
+        new["num_consts"] = params["num_consts"] + num_extra
+        if "linear" in params:  # dropped from scan's parameters in later releases
+            new["linear"] = (False,) * num_extra + tuple(params["linear"])
+        return new
+    from jax._src import flattree
+
+    consts, carry, xs = params["ft_in"].unpack()
+    # The same grouping JAX's own scan partial-eval uses for added residuals.
+    new["ft_in"] = flattree.pack(((flattree.nones(num_extra), consts), carry, xs))
+    return new
+
+
 def shard_map_body(eqn_params: dict, body: Callable) -> dict:
     """Bind parameters for `shard_map_p` whose body runs ``body(*args) -> outs``.
 
@@ -198,13 +230,18 @@ def shard_map_body(eqn_params: dict, body: Callable) -> dict:
     returning a `FlatTree` tagged with the output specs; we swap in our own body
     with the same return convention.
     """
-    from jax._src.tree_util import FlatTree
+    try:  # JAX 0.11
+        from jax._src.flattree import flatten
+    except ImportError:  # JAX 0.10
+        from jax._src.tree_util import FlatTree
+
+        flatten = FlatTree.flatten
 
     params = shard_map_p.get_bind_params(eqn_params)
     out_specs = eqn_params["out_specs"]
 
     def run(*args):
-        return FlatTree.flatten(list(body(*args))).with_aux(out_specs)
+        return flatten(list(body(*args))).with_aux(out_specs)
 
     params["subfuns"] = (run,)
     return params
@@ -234,6 +271,23 @@ def custom_vjp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any, Any]:
     const_avals = call_jaxpr.in_avals[:num_consts]
     bwd = _handle_consts_in_bwd(params.pop("bwd"), const_avals)
     return params, (call_jaxpr, num_consts), fwd_jaxpr_thunk, bwd
+
+
+# JAX 0.11 lets custom_vjp backward rules return logs: bwd returns (cts, logs).
+_BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+
+def unpack_bwd_result(result: Any) -> tuple[list, Any]:
+    """``(cotangents, logs)`` from a custom_vjp bwd sub-function's result."""
+    if _BWD_RETURNS_LOGS:
+        cts, logs = result
+        return list(cts), logs
+    return list(result), None
+
+
+def pack_bwd_result(cts: list, logs: Any) -> Any:
+    """The inverse of `unpack_bwd_result`."""
+    return (cts, logs) if _BWD_RETURNS_LOGS else cts
 
 
 def tangent_aval(aval: Any) -> Any:

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.extend.core import jaxpr_as_fun
 
@@ -149,7 +150,7 @@ def _settle_carry(
 def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     params = eqn.params
     closed = params["jaxpr"]
-    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    num_consts, num_carry = _compat.scan_layout(params)
     consts = invals[:num_consts]
     init = invals[num_consts : num_consts + num_carry]
     xs = invals[num_consts + num_carry :]
@@ -175,9 +176,7 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     traced, carry_dtypes = _settle_carry(trace, [dtype_of(x) for x in init], original_carry, num_carry)
     _report(ctx, traced)
     new, hoisted = traced
-    new_params = dict(params, jaxpr=new, num_consts=num_consts + len(hoisted))
-    if "linear" in params:  # dropped from scan's parameters in newer JAX
-        new_params["linear"] = (False,) * len(hoisted) + tuple(params["linear"])
+    new_params = _compat.scan_params_with_extra_consts(params, new, len(hoisted))
     return _compat.scan_p.bind(*hoisted, *consts, *_cast_all(init, carry_dtypes), *xs, **new_params)
 
 
@@ -213,7 +212,8 @@ def _report(ctx: AmpContext, traced: _Traced) -> None:
 def _scan_inline(ctx, eqn, consts, init, xs):
     params = eqn.params
     closed = params["jaxpr"]
-    num_carry, length = params["num_carry"], params["length"]
+    _, num_carry = _compat.scan_layout(params)
+    length = params["length"]
     carry, ys = list(init), []
     steps = range(length - 1, -1, -1) if params["reverse"] else range(length)
     for i in steps:
@@ -378,19 +378,13 @@ def _custom_vjp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
 
     def amp_bwd(*args):
         if any(_compat.is_zero(a) for a in args):
-            structure = bwd.call_wrapped(*args)  # symbolic zeros: cannot trace
+            # Symbolic-zero cotangents cannot be traced: run the rule as written.
+            cts, logs = _compat.unpack_bwd_result(bwd.call_wrapped(*args))
         else:
-            structure = []
-
-            def flat_bwd(*a):
-                structure[:] = bwd.call_wrapped(*a)
-                return [o for o in structure if not _compat.is_zero(o)]
-
-            closed = _compat.trace_to_closed_jaxpr(flat_bwd, [_compat.abstract_value(a) for a in args])
-            computed = iter(interpret(closed.jaxpr, closed.consts, args, ctx))
-            structure = [o if _compat.is_zero(o) else next(computed) for o in structure]
+            cts, logs = _amp_bwd_call(ctx, bwd, args)
         # Cotangents must match the primal inputs as amp passed them.
-        return [o if _compat.is_zero(o) else cast_value(o, d) for o, d in zip(structure, in_dtypes)]
+        cts = [o if _compat.is_zero(o) else cast_value(o, d) for o, d in zip(cts, in_dtypes)]
+        return _compat.pack_bwd_result(cts, logs)
 
     params["subfuns"] = (
         _compat.wrap_fun(jaxpr_as_fun(primal), like=call_jaxpr.jaxpr),
@@ -398,6 +392,24 @@ def _custom_vjp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         _compat.wrap_fun(amp_bwd, like=bwd),
     )
     return _compat.custom_vjp_call_p.bind(*invals, **params)
+
+
+def _amp_bwd_call(ctx: AmpContext, bwd: Any, args: tuple) -> tuple[list, Any]:
+    """Run a custom_vjp backward rule under amp: trace it, then interpret it."""
+    captured: dict = {}
+
+    def flat_bwd(*a):
+        cts, logs = _compat.unpack_bwd_result(bwd.call_wrapped(*a))
+        log_leaves, captured["log_tree"] = jax.tree_util.tree_flatten(logs)
+        captured["cts"] = cts
+        return [o for o in cts if not _compat.is_zero(o)] + log_leaves
+
+    closed = _compat.trace_to_closed_jaxpr(flat_bwd, [_compat.abstract_value(a) for a in args])
+    outs = interpret(closed.jaxpr, closed.consts, args, ctx)
+    num_cts = len(outs) - captured["log_tree"].num_leaves
+    computed = iter(outs[:num_cts])
+    cts = [o if _compat.is_zero(o) else next(computed) for o in captured["cts"]]
+    return cts, jax.tree_util.tree_unflatten(captured["log_tree"], outs[num_cts:])
 
 
 # --- shard_map ----------------------------------------------------------------------

@@ -30,6 +30,13 @@ def _nested(eqn):
                 yield v
 
 
+def scan_num_consts(params) -> int:
+    """Leading constant operands of a scan equation (JAX 0.10 and 0.11 layouts)."""
+    if "num_consts" in params:
+        return params["num_consts"]
+    return len(params["ft_in"].unpack()[0])
+
+
 def matmul_operand_dtypes(jaxpr) -> list[tuple[str, tuple]]:
     """(primitive name, operand dtypes) of every matmul/conv in `jaxpr`."""
     return [
@@ -48,4 +55,4 @@ def assert_all_matmuls_in(jaxpr, dtype, *, at_least=1):
     return len(found)
 
 
-__all__ = ["assert_all_matmuls_in", "iter_eqns", "matmul_operand_dtypes"]
+__all__ = ["assert_all_matmuls_in", "iter_eqns", "matmul_operand_dtypes", "scan_num_consts"]

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxamp import amp
-from jaxpr_walk import assert_all_matmuls_in, iter_eqns
+from jaxpr_walk import assert_all_matmuls_in, iter_eqns, scan_num_consts
 
 KEY = jax.random.PRNGKey(0)
 W = jax.random.normal(KEY, (8, 8)) / 3
@@ -52,7 +52,7 @@ def test_scan_parameters_kept_and_carry_type_stable(reverse, unroll):
     scan = _eqns(jaxpr, "scan")[0]
     assert (scan.params["length"], scan.params["reverse"], scan.params["unroll"]) == (4, reverse, unroll)
     body = scan.params["jaxpr"]
-    n = scan.params["num_consts"]
+    n = scan_num_consts(scan.params)
     carry_in = [a.dtype for a in body.in_avals[n : n + 1]]
     assert carry_in == [a.dtype for a in body.out_avals[:1]]
     assert_all_matmuls_in(jaxpr, jnp.float16)
@@ -69,7 +69,7 @@ def test_scan_carry_that_cannot_settle_falls_back_to_original_dtype():
 
     jaxpr = jax.make_jaxpr(amp(lambda x: jax.lax.scan(body, x, None, length=3)[0]))(X)
     scan = _eqns(jaxpr, "scan")[0]
-    n = scan.params["num_consts"]
+    n = scan_num_consts(scan.params)
     assert scan.params["jaxpr"].in_avals[n].dtype == scan.params["jaxpr"].out_avals[0].dtype
 
 
