@@ -27,6 +27,7 @@ __all__ = [
     "default_amp_policy",
     "use_compute_precision",
     "use_current_precision",
+    "use_full_range_precision",
     "use_original_precision",
     "use_precision",
     "use_widest_precision",
@@ -35,9 +36,10 @@ __all__ = [
 Rule = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
 
 
-def dtype_of(x: Any) -> np.dtype:
+def dtype_of(x: Any) -> Any:
+    """The dtype of a value: numpy's, or JAX's extended dtype (PRNG keys) as is."""
     dtype = getattr(x, "dtype", None)
-    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+    return dtype if dtype is not None else np.asarray(x).dtype
 
 
 def cast_value(x: Any, dtype: Any) -> Any:
@@ -48,11 +50,36 @@ def cast_value(x: Any, dtype: Any) -> Any:
     return lax.convert_element_type(x, dtype)
 
 
-def _cast_operands(invars: Sequence[Any], original_dtypes: Sequence[Any], target) -> list:
+def saturating_cast(x: Any, dtype: Any) -> Any:
+    """`cast_value`, with finite values beyond `dtype`'s range clamped to its largest.
+
+    For casts amp inserts that the user never wrote: a float32 mask constant such
+    as ``-1e9`` (or ``finfo(float32).max``) must not become ``-inf`` in float16,
+    where ``softmax`` would turn a fully masked row into NaNs. Infinities stay
+    infinite, so comparisons against ``inf`` keep their meaning.
+    """
+    current = dtype_of(x)
+    if current == dtype or not (is_castable(current) and is_castable(dtype)):
+        return x
+    limit = float(jnp.finfo(dtype).max)
+    if float(jnp.finfo(current).max) > limit:
+        if isinstance(x, (int, float, np.ndarray, np.generic)):  # a literal: no ops needed
+            x = np.asarray(x, current)
+            x = np.where(np.isinf(x), x, np.clip(x, -limit, limit)).astype(current)
+        else:
+            bound = np.asarray(limit, current)
+            clamped = lax.clamp(-bound, x, bound)
+            x = lax.select(lax.eq(lax.abs(x), np.asarray(np.inf, current)), x, clamped)
+    return lax.convert_element_type(x, dtype)
+
+
+def _cast_operands(
+    invars: Sequence[Any], original_dtypes: Sequence[Any], target, cast=cast_value
+) -> list:
     # Only operands the user's program had as castable floats move: an operand
     # that was float64 or an integer keeps whatever it is.
     return [
-        cast_value(x, target(orig)) if is_castable(orig) else x
+        cast(x, target(orig)) if is_castable(orig) else x
         for x, orig in zip(invars, original_dtypes)
     ]
 
@@ -125,35 +152,57 @@ def use_current_precision(compute_dtype, original_dtypes, *invars, **bind_params
     the original dtype.
     """
     target: dict[np.dtype, np.dtype] = {}
-    for orig in {np.dtype(d) for d in original_dtypes if is_castable(d)}:
-        current = {
-            dtype_of(x)
-            for x, o in zip(invars, original_dtypes)
-            if np.dtype(o) == orig and is_castable(dtype_of(x))
-        }
+    castable = [(x, np.dtype(o)) for x, o in zip(invars, original_dtypes) if is_castable(o)]
+    for orig in {o for _, o in castable}:
+        current = {np.dtype(dtype_of(x)) for x, o in castable if o == orig and is_castable(dtype_of(x))}
         if len(current) == 1:
             target[orig] = current.pop()
         elif np.dtype(compute_dtype) in current:
             target[orig] = np.dtype(compute_dtype)
         else:
             target[orig] = orig
-    invars = _cast_operands(invars, original_dtypes, lambda orig: target[np.dtype(orig)])
+    # Saturating: the operand moved down is often a constant (a mask value).
+    invars = _cast_operands(
+        invars, original_dtypes, lambda orig: target[np.dtype(orig)], cast=saturating_cast
+    )
     return invars, bind_params
+
+
+def use_full_range_precision(compute_dtype, original_dtypes, *invars, **bind_params):
+    """Original precision where float16's range is at stake, else current precision.
+
+    For ops that overflow float16 (``exp`` past 11.1, ``pow``, ``cosh``...).
+    bfloat16 has float32's exponent range, so under a bfloat16 compute dtype these
+    ops stay in bfloat16, as hand-cast bfloat16 code runs them: a softmax then
+    keeps its probabilities (the largest tensor saved for the backward pass of
+    attention) in bfloat16 instead of float32.
+    """
+    narrow = np.dtype(jnp.float16)
+    if np.dtype(compute_dtype) == narrow or any(
+        is_castable(dtype_of(x)) and np.dtype(dtype_of(x)) == narrow for x in invars
+    ):
+        return use_original_precision(compute_dtype, original_dtypes, *invars, **bind_params)
+    return use_current_precision(compute_dtype, original_dtypes, *invars, **bind_params)
 
 
 # PyTorch autocast's "lower precision" list: matmuls and convolutions.
 _COMPUTE_PRIMITIVES = ("dot_general", "conv_general_dilated")
 
-# PyTorch autocast's float32 list, in lax terms: ops whose range or accuracy
-# suffers in half precision (exp overflows at 11.1 in f16; sums lose bits).
+# From PyTorch autocast's float32 list, in lax terms: ops whose accuracy suffers
+# in half precision (sums lose bits, log near 1 loses digits).
 _FULL_PRECISION_PRIMITIVES = (
-    "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "erf_inv", "lgamma",
-    "digamma", "igamma", "igammac", "igamma_grad_a",
-    "polygamma", "zeta", "bessel_i0e", "bessel_i1e", "tan", "acos", "asin",
-    "acosh", "asinh", "atanh", "cosh", "sinh",
+    "log", "log1p", "rsqrt", "erf_inv", "lgamma", "digamma", "igamma", "igammac",
+    "igamma_grad_a", "polygamma", "zeta", "bessel_i0e", "bessel_i1e", "tan",
+    "acos", "asin", "acosh", "asinh", "atanh",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
     "reduce_precision",
+    # Scatters that combine values carry a combiner jaxpr typed for the
+    # original dtype (they appear in amp(jax.grad(f)), as transposed gathers).
+    "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
 )
+
+# The rest of PyTorch's float32 list: ops that overflow float16's range.
+_RANGE_LIMITED_PRIMITIVES = ("exp", "exp2", "expm1", "pow", "cosh", "sinh")
 
 # Elementwise and structural ops: they follow their operands (see
 # use_current_precision). Anything not listed (FFI calls, pallas kernels,
@@ -174,7 +223,7 @@ _CURRENT_PRECISION_PRIMITIVES = (
     "reshape", "transpose", "broadcast_in_dim", "squeeze",
     "slice", "dynamic_slice", "dynamic_update_slice", "gather", "concatenate",
     "pad", "rev", "iota", "select_and_gather_add", "sort", "top_k",
-    "scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+    "scatter",
     "reduce_window_sum", "reduce_window_max", "reduce_window_min",
     "select_and_scatter_add", "split", "sharding_constraint",
     "mesh_cast", "reshard", "device_put", "pvary", "psum", "pmax", "pmin",
@@ -193,6 +242,8 @@ def _default_table() -> dict[Any, Rule]:
         table[name] = use_compute_precision
     for name in _FULL_PRECISION_PRIMITIVES:
         table[name] = use_original_precision
+    for name in _RANGE_LIMITED_PRIMITIVES:
+        table[name] = use_full_range_precision
     for name in _CURRENT_PRECISION_PRIMITIVES:
         table[name] = use_current_precision
     return table

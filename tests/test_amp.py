@@ -431,3 +431,31 @@ def test_policy_and_compute_dtype_must_agree():
         amp(_mlp, policy="c=f17")
     with pytest.raises(TypeError):
         amp(_mlp, policy=3)
+
+
+# --- values beyond the half range -------------------------------------------------------
+
+
+def test_mask_constants_saturate_instead_of_becoming_inf():
+    def masked_softmax(x, w, keep):
+        return jax.nn.softmax(jnp.where(keep, x @ w, -1e9))  # -1e9 is -inf in float16
+
+    x = jnp.array([[1.0, 2, 3], [4, 5, 6]])
+    keep = jnp.array([[1, 1, 0], [0, 0, 0]], bool)  # second row fully masked
+    out = amp(masked_softmax)(x, jnp.eye(3), keep)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, masked_softmax(x, jnp.eye(3), keep), atol=2e-3)
+
+
+def test_unrepresentable_constants_saturate_to_the_half_maximum():
+    g = lambda x, w: jnp.nan_to_num((x @ w) / 0.0)  # noqa: E731  posinf = finfo(float32).max
+    for dtype in (jnp.float16, jnp.bfloat16):
+        out = amp(g, compute_dtype=dtype)(jnp.ones((1, 2)), jnp.eye(2))
+        assert out.dtype == jnp.float32
+        np.testing.assert_array_equal(out, float(jnp.finfo(dtype).max))
+
+
+def test_prng_keys_pass_through():
+    f = lambda k, x: jax.random.normal(k, x.shape) * (x @ x.T)  # noqa: E731
+    for key in (jax.random.key(0), jax.random.PRNGKey(0)):
+        np.testing.assert_allclose(amp(f)(key, jnp.ones((3, 3))), f(key, jnp.ones((3, 3))), rtol=1e-2)

@@ -24,9 +24,6 @@ pass through amp bit-for-bit with no convert_element_type added;
 `lax.bitcast_convert_type` sees its operand's original dtype; every matmul and
 convolution of the amp'd jaxpr takes compute-dtype operands; a `pure_callback`
 (a primitive amp does not know) receives float32.
-
-Runs that hit a known amp bug are strict xfails naming it (the ``*_BUG``
-constants): they fail, and so get noticed, once the bug is fixed.
 """
 
 from __future__ import annotations
@@ -67,21 +64,6 @@ DEFAULT_ULPS = 8
 # such ops) multiplies the error by a small condition number.
 ACCUMULATING_ULPS = 32
 ALGORITHM_ULPS = 64
-
-# Known amp bugs, each a strict xfail below (minimal reproducers in the report
-# that introduced them); fixing one turns its xfails into failures to remove.
-SCATTER_COMBINER_BUG = (
-    "scatter-add/mul/min/max run on half operands with their float32 update_jaxpr "
-    "kept: MLIR verifier error 'reduction-region parameter f16 vs result f32'"
-)
-PRNG_KEY_BUG = (
-    "a typed PRNG key (key<fry>) reaching a jit'd function (every jax.random "
-    "sampler) crashes amp: np.dtype(key<fry>) TypeError in _rules.dtype_of"
-)
-CONSTANT_OVERFLOW_BUG = (
-    "a float32 constant beyond the half range (finfo(float32).max, -1e9 in "
-    "float16) becomes inf when its op follows a half operand"
-)
 
 # Fixed inputs: the same every run, so a pass is not luck of the draw.
 RNG = np.random.default_rng(0)
@@ -130,17 +112,10 @@ class Case:
     fn: Callable
     args: tuple
     ulps: float = DEFAULT_ULPS
-    # {(route, dtype): reason} for known amp bugs; those runs are strict xfails.
-    known_failures: dict = dataclasses.field(default_factory=dict)
 
 
-def case(name, fn, *args, ulps=DEFAULT_ULPS, known_failures=None):
-    return Case(name, fn, args, ulps, known_failures or {})
-
-
-def failing(reason, routes=ROUTES, dtypes=(F16, BF16)):
-    """A `known_failures` table: `reason` for every route x dtype given."""
-    return {(route, dtype): reason for route in routes for dtype in dtypes}
+def case(name, fn, *args, ulps=DEFAULT_ULPS):
+    return Case(name, fn, args, ulps)
 
 
 def unary(name, fn, lo, hi, **kwargs):
@@ -215,12 +190,7 @@ def runs(c: Case, *, f32_route_dtypes=(F16,)):
     """
     combos = [("half", F16), ("half", BF16)] + [("f32", d) for d in f32_route_dtypes]
     return [
-        pytest.param(
-            c, dtype, route,
-            id=f"{c.name}-{route}-{SHORT_NAMES[dtype]}",
-            marks=[pytest.mark.xfail(strict=True, reason=c.known_failures[route, dtype])]
-            if (route, dtype) in c.known_failures else [],
-        )
+        pytest.param(c, dtype, route, id=f"{c.name}-{route}-{SHORT_NAMES[dtype]}")
         for route, dtype in combos
     ]
 
@@ -279,10 +249,11 @@ UNARY = [
     case("round_away", lax.round, off_integer()),
     case("round_even", lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN), off_integer()),
     case("is_finite", lax.is_finite, np.array([1.5, np.inf, -np.inf, np.nan, -0.0], np.float32)),
-    # nan_to_num replaces inf by finfo(float32).max, which overflows half types.
-    case("isnan_nan_to_num", lambda x: (jnp.isnan(x), jnp.nan_to_num(x)),
-         np.array([1.5, np.inf, -np.inf, np.nan], np.float32),
-         known_failures=failing(CONSTANT_OVERFLOW_BUG, routes=["half"])),
+    # Replacement values a half type can hold: nan_to_num's default,
+    # finfo(float32).max, saturates to the half type's largest finite value
+    # (see test_amp.py's saturation test).
+    case("isnan_nan_to_num", lambda x: (jnp.isnan(x), jnp.nan_to_num(x, posinf=1e4, neginf=-1e4)),
+         np.array([1.5, np.inf, -np.inf, np.nan], np.float32)),
     unary("reduce_precision_f16", lambda x: lax.reduce_precision(x, 5, 10), -3, 3),
     unary("reduce_precision_bf16", lambda x: lax.reduce_precision(x, 8, 7), -3, 3),
     unary("astype_float16", lambda x: x.astype(jnp.float16), -3, 3),
@@ -382,7 +353,6 @@ STRUCTURAL = [
 # --- gather and scatter ------------------------------------------------------------------------
 
 # amp(jax.grad(f)) hits the same bug wherever a gather's transpose is a scatter-add.
-HALF_SCATTER_FAILS = failing(SCATTER_COMBINER_BUG, routes=["half"])
 _ROWS = np.array([2, 0, 2, 1], np.int32)  # duplicates: scatters must combine them
 _UNIQUE_ROWS = np.array([2, 0], np.int32)
 
@@ -393,23 +363,17 @@ GATHER_SCATTER = [
     case("gather_fill_out_of_bounds", lambda x: x.at[jnp.array([0, 7, 2])].get(mode="fill", fill_value=-1.0),
          uniform(-2, 2)),
     case("scatter_set", lambda x, u: x.at[_UNIQUE_ROWS].set(u), uniform(-2, 2), uniform(-2, 2, (2, 4))),
-    case("scatter_add", lambda x, u: x.at[_ROWS].add(u), uniform(-2, 2), uniform(-2, 2, (4, 4)),
-         known_failures=HALF_SCATTER_FAILS),
-    case("scatter_mul", lambda x, u: x.at[_ROWS].multiply(u), uniform(-2, 2), uniform(0.5, 1.5, (4, 4)),
-         known_failures=HALF_SCATTER_FAILS),
-    case("scatter_min", lambda x, u: x.at[_ROWS].min(u), distinct(), distinct((4, 4)),
-         known_failures=HALF_SCATTER_FAILS),
-    case("scatter_max", lambda x, u: x.at[_ROWS].max(u), distinct(), distinct((4, 4)),
-         known_failures=HALF_SCATTER_FAILS),
+    case("scatter_add", lambda x, u: x.at[_ROWS].add(u), uniform(-2, 2), uniform(-2, 2, (4, 4))),
+    case("scatter_mul", lambda x, u: x.at[_ROWS].multiply(u), uniform(-2, 2), uniform(0.5, 1.5, (4, 4))),
+    case("scatter_min", lambda x, u: x.at[_ROWS].min(u), distinct(), distinct((4, 4))),
+    case("scatter_max", lambda x, u: x.at[_ROWS].max(u), distinct(), distinct((4, 4))),
     case("scatter_add_drop_out_of_bounds", lambda x, u: x.at[jnp.array([0, 9])].add(u, mode="drop"),
-         uniform(-2, 2), uniform(-2, 2, (2, 4)),
-         known_failures=HALF_SCATTER_FAILS),
+         uniform(-2, 2), uniform(-2, 2, (2, 4))),
     case("lax_scatter_add", lambda x, u: lax.scatter_add(
         x, _ROWS[:, None], u,
         lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
                                     scatter_dims_to_operand_dims=(0,))),
-         uniform(-2, 2), uniform(-2, 2, (4, 4)),
-         known_failures=HALF_SCATTER_FAILS),
+         uniform(-2, 2), uniform(-2, 2, (4, 4))),
 ]
 
 # --- sort and top_k ------------------------------------------------------------------------------
@@ -487,21 +451,19 @@ _KEY = jax.random.key(0)
 _RAW_KEY = jax.random.PRNGKey(1)
 
 # jax.random's samplers wrap even a raw uint32 key into a typed key internally.
-KEY_FAILS = failing(PRNG_KEY_BUG)
 
 RANDOM = [
-    case("random_normal", lambda key, x: jax.random.normal(key, x.shape) * x, _KEY, uniform(0.5, 2),
-         known_failures=KEY_FAILS),
+    case("random_normal", lambda key, x: jax.random.normal(key, x.shape) * x, _KEY, uniform(0.5, 2)),
     case("random_uniform_split", lambda key, x: x + jax.random.uniform(jax.random.split(key)[1], x.shape),
-         _RAW_KEY, uniform(-2, 2), known_failures=KEY_FAILS),
+         _RAW_KEY, uniform(-2, 2)),
     case("random_bernoulli", lambda key, x: jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0),
-         _KEY, uniform(-2, 2), known_failures=KEY_FAILS),
+         _KEY, uniform(-2, 2)),
     # Logits 3 apart: rounding them moves no sample across a Gumbel tie.
     case("random_categorical", lambda key, logits: jax.random.categorical(key, logits, shape=(8, 4)),
-         _RAW_KEY, np.array([0.0, 3.0, 6.0, 9.0], np.float32) - 6.0, known_failures=KEY_FAILS),
+         _RAW_KEY, np.array([0.0, 3.0, 6.0, 9.0], np.float32) - 6.0),
     case("random_truncated_normal_dropout", lambda key, x: (
         jax.random.truncated_normal(key, -1.0, 1.0, x.shape) + x,
-        x * jax.random.bernoulli(key, 0.8, x.shape) / 0.8), _KEY, uniform(-2, 2), known_failures=KEY_FAILS),
+        x * jax.random.bernoulli(key, 0.8, x.shape) / 0.8), _KEY, uniform(-2, 2)),
 ]
 
 # --- linear algebra and FFT ---------------------------------------------------------------------------
@@ -598,8 +560,7 @@ NN = [
     # Attention masking with -1e9; the last row is masked out entirely, where
     # float32 gives a uniform row and an overflowed mask gives nan.
     case("masked_softmax", lambda x, keep: jax.nn.softmax(jnp.where(keep, x, -1e9)),
-         uniform(-3, 3), np.array([[1, 1, 0, 1], [0, 1, 1, 1], [0, 0, 0, 0]], bool), ulps=ACCUMULATING_ULPS,
-         known_failures={("half", F16): CONSTANT_OVERFLOW_BUG}),
+         uniform(-3, 3), np.array([[1, 1, 0, 1], [0, 1, 1, 1], [0, 0, 0, 0]], bool), ulps=ACCUMULATING_ULPS),
     unary("sigmoid_softplus_log_sigmoid", lambda x: (jax.nn.sigmoid(x), jax.nn.softplus(x), jax.nn.log_sigmoid(x)),
           -3, 3),
     unary("elu_leaky_relu_glu", lambda x: (jax.nn.elu(x), jax.nn.leaky_relu(x), jax.nn.glu(x)), -3, 3),
@@ -618,9 +579,8 @@ GRADIENTS = [
     # select_and_scatter_add / select_and_gather_add come from max pooling's transpose.
     case("grad_max_pool", _grad(lambda x: _window(x, -np.inf, lax.max, "SAME")), distinct(_IMAGE)),
     case("grad_avg_pool", _grad(lambda x: _window(x, 0, lax.add) / 4), uniform(-2, 2, _IMAGE)),
-    case("grad_gather", _grad(lambda x, i: x[i] ** 2), uniform(-2, 2), _ROWS, known_failures=HALF_SCATTER_FAILS),
-    case("grad_sort", _grad(lambda x, w: jnp.sort(x, axis=1) * w), distinct(), uniform(-2, 2),
-         known_failures=HALF_SCATTER_FAILS),
+    case("grad_gather", _grad(lambda x, i: x[i] ** 2), uniform(-2, 2), _ROWS),
+    case("grad_sort", _grad(lambda x, w: jnp.sort(x, axis=1) * w), distinct(), uniform(-2, 2)),
     case("grad_cumulative", _grad(lambda x: lax.cumsum(x, axis=1) * lax.cummax(x, axis=0) + lax.cumprod(x, axis=1)),
          np.abs(distinct()) + 0.5, ulps=ALGORITHM_ULPS),
     case("grad_conv", _grad(lambda k, x: lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=_NWC) ** 2),
@@ -633,7 +593,7 @@ GRADIENTS = [
                                                              np.float32(0), [(1, -1, 1), (0, 0, 0)]) ** 2),
          uniform(-2, 2), np.int32(1)),
     case("grad_top_k_reduce_max", _grad(lambda x: lax.top_k(x, 2)[0] * jnp.max(x, axis=1, keepdims=True)),
-         distinct(), known_failures=HALF_SCATTER_FAILS),
+         distinct()),
 ]
 
 
@@ -729,7 +689,7 @@ INTEGER_PROGRAMS = [
                                jnp.sort(b, axis=1), b[jnp.array([2, 0])]),
                  (ints(2).astype(bool), ints(2).astype(bool)), id="bool"),
     pytest.param(lambda key: (jax.random.randint(key, (3,), 0, 9), jax.random.permutation(key, 5)),
-                 (_KEY,), id="random_integers", marks=pytest.mark.xfail(strict=True, reason=PRNG_KEY_BUG)),
+                 (_KEY,), id="random_integers"),
 ]
 
 
