@@ -13,6 +13,7 @@ the nested context (scopes of `eqn` included).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,10 +79,45 @@ def _out_dtypes(closed: Any) -> list:
 # --- calls: jit, closed_call, remat ----------------------------------------------
 
 
+class _Identity:
+    # Hashes and compares by identity: policy tables are unhashable dicts.
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+
+# amp'd bodies of call-like jaxprs, per original jaxpr. The same jit'd function
+# called in every layer has one jaxpr; handing JAX one amp'd jaxpr for it too
+# keeps JAX's own per-jaxpr caches (JVP, transpose, lowering) hitting, which
+# is most of the cost of tracing a deep model.
+_AMP_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     """`closed` re-traced under amp for operands as amp holds them."""
+    in_avals = _avals_like(closed.in_avals, invals)
+    cacheable = ctx.observer is None and not ctx.inline
+    key = (tuple(in_avals), ctx.compute_dtype, _Identity(ctx.policy), ctx.scopes)
+    if cacheable:
+        try:
+            return _AMP_BODIES[closed][key]
+        except (KeyError, TypeError):
+            pass
     body = _amp_body(closed.jaxpr, closed.consts, ctx)
-    return _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
+    new = _compat.trace_to_closed_jaxpr(body, in_avals)
+    if cacheable:
+        try:
+            _AMP_BODIES.setdefault(closed, {})[key] = new
+        except TypeError:  # an unhashable or non-weakrefable jaxpr: no caching
+            pass
+    return new
 
 
 def _call_handler(primitive: Any, jaxpr_param: str) -> Handler:

@@ -54,15 +54,17 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
     """`cast_value`, with finite values beyond `dtype`'s range clamped to its largest.
 
     For casts amp inserts that the user never wrote: a float32 mask constant such
-    as ``-1e9`` (or ``finfo(float32).max``) must not become ``-inf`` in float16,
-    where ``softmax`` would turn a fully masked row into NaNs. Infinities stay
-    infinite, so comparisons against ``inf`` keep their meaning.
+    as ``-1e9`` must not become ``-inf`` in float16, where ``softmax`` would turn
+    a fully masked row into NaNs. Infinities stay infinite, so comparisons against
+    ``inf`` keep their meaning. Only float16 targets saturate: bfloat16 has
+    float32's exponent range (only the last 0.4% below ``finfo(float32).max``
+    rounds to inf), and the extra ops are not worth it there.
     """
     current = dtype_of(x)
     if current == dtype or not (is_castable(current) and is_castable(dtype)):
         return x
     limit = float(jnp.finfo(dtype).max)
-    if float(jnp.finfo(current).max) > limit:
+    if np.dtype(dtype) == np.dtype(jnp.float16) and float(jnp.finfo(current).max) > limit:
         if isinstance(x, (int, float, np.ndarray, np.generic)):  # a literal: no ops needed
             x = np.asarray(x, current)
             x = np.where(np.isinf(x), x, np.clip(x, -limit, limit)).astype(current)
