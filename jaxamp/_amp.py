@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,9 @@ from ._rules import cast_value, default_amp_policy
 __all__ = ["AmpOptions", "amp"]
 
 _UNSET: Any = object()
+_PRIMITIVE_NAMES = frozenset(
+    getattr(key, "name", None) for key in default_amp_policy if not isinstance(key, str)
+)
 
 
 def amp(
@@ -66,8 +70,8 @@ def amp(
         return functools.partial(amp, compute_dtype=compute_dtype, amp_policy=amp_policy, policy=policy)
     if not callable(fn):
         raise TypeError(
-            f"amp expects a callable (a function or an Equinox module), got "
-            f"{type(fn).__name__}: {fn!r:.100}."
+            f"amp expects a callable (a function, or an Equinox module with a "
+            f"__call__ method), got {type(fn).__name__}: {fn!r:.100}."
         )
 
     @functools.wraps(fn)
@@ -149,6 +153,14 @@ def _check_policy_table(table: Any) -> Mapping[Any, Callable]:
             raise TypeError(
                 f"amp_policy keys must be primitives (e.g. jax.lax.add_p) or "
                 f"jax.named_scope names, got {key!r} ({type(key).__name__})."
+            )
+        if isinstance(key, str) and key in _PRIMITIVE_NAMES:
+            warnings.warn(
+                f"amp_policy key {key!r} is matched against jax.named_scope names, "
+                f"not primitives; to key the primitive, use its object "
+                f"(e.g. jax.lax.{key}_p).",
+                UserWarning,
+                stacklevel=3,
             )
         if not callable(rule):
             raise TypeError(

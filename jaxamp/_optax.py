@@ -65,8 +65,10 @@ def skip_nonfinite_updates(
     inner = optax.with_extra_args_support(optimizer)
 
     def init(params: Any) -> SkipNonFiniteState:
-        zero = jnp.zeros([], jnp.int32)
-        return SkipNonFiniteState(inner.init(params), jnp.array(True), zero, zero)
+        # Separate buffers per field, so the state can be donated to a jit'd step.
+        return SkipNonFiniteState(
+            inner.init(params), jnp.array(True), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+        )
 
     def update(grads, state: SkipNonFiniteState, params=None, **extra_args):
         finite = all_finite(grads)

@@ -458,3 +458,8 @@ def test_prng_keys_pass_through():
     f = lambda k, x: jax.random.normal(k, x.shape) * (x @ x.T)  # noqa: E731
     for key in (jax.random.key(0), jax.random.PRNGKey(0)):
         np.testing.assert_allclose(amp(f)(key, jnp.ones((3, 3))), f(key, jnp.ones((3, 3))), rtol=1e-2)
+
+
+def test_primitive_name_as_string_key_warns():
+    with pytest.warns(UserWarning, match="'dot_general' is matched against jax.named_scope names"):
+        amp(_mlp, amp_policy={"dot_general": use_original_precision})

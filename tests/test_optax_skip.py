@@ -128,3 +128,17 @@ def test_rejects_a_non_optimizer():
 def test_apply_if_finite_updates_rejects_a_non_boolean_flag():
     with pytest.raises(AssertionError, match="expected boolean scalar"):
         jaxamp.apply_if_finite_updates(_params(), _params(), jnp.float32(1.0))
+
+
+def test_state_can_be_donated():
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxamp import skip_nonfinite_updates
+
+    params = {"w": jnp.ones(3)}
+    opt = skip_nonfinite_updates(optax.sgd(0.1))
+    step = jax.jit(lambda g, s: opt.update(g, s, params), donate_argnums=1)
+    updates, _ = step(params, opt.init(params))
+    assert updates["w"].shape == (3,)
