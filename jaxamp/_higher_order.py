@@ -61,9 +61,7 @@ def _amp_body(
 
     def body(*args):
         outs = interpret(jaxpr, consts, args, ctx)
-        if out_dtypes is not None:
-            outs = [cast_value(x, d) for x, d in zip(outs, out_dtypes)]
-        return outs
+        return outs if out_dtypes is None else _cast_all(outs, out_dtypes)
 
     return body
 
