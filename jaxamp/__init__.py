@@ -1,4 +1,8 @@
-"""jaxamp: automatic mixed precision for JAX."""
+"""jaxamp: automatic mixed precision for JAX.
+
+`amp` is the transform; the rest are loss scaling, precision policies, diagnostics
+and (in `jaxamp.sharding`) multi-device helpers.
+"""
 
 from ._dtypes import cast_floating, half_dtype, parse_dtype
 
@@ -8,13 +12,12 @@ __all__ = [
     "parse_dtype",
 ]
 
-# --- policies (begin) ---
+# Policies
 from ._policy import Policy, cast_to_full, cast_to_half, get_policy
 
 __all__ += ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
-# --- policies (end) ---
 
-# --- amp (begin) ---
+# The transform
 from ._amp import amp
 from ._rules import (
     default_amp_policy,
@@ -38,9 +41,8 @@ __all__ += [
     "use_precision",
     "use_widest_precision",
 ]
-# --- amp (end) ---
 
-# --- loss scaling (begin) ---
+# Loss scaling
 from ._dynamic_scaler import (
     DynamicLossScaler,
     DynamicScalerState,
@@ -79,10 +81,12 @@ __all__ += [
     "skip_nonfinite_updates",
     "warn_if_not_floating",
 ]
-# --- loss scaling (end) ---
 
-# --- diagnostics (begin) ---
+# Diagnostics
 from ._diagnostics import AmpReport, AmpRow, NonFiniteReport, explain, find_nonfinite
 
 __all__ += ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
-# --- diagnostics (end) ---
+
+from . import sharding  # noqa: E402  (jaxamp.sharding after a plain `import jaxamp`)
+
+__all__ += ["sharding"]
