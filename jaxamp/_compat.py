@@ -22,39 +22,49 @@ from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.ad_util import SymbolicZero, Zero
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.interpreters.ad import CustomVJPException
 
 __all__ = [
-    "VERSION_DRIFT_ERRORS",
     "ClosedJaxpr",
+    "CustomVJPException",
+    "DropVar",
     "Jaxpr",
     "JaxprEqn",
-    "DropVar",
     "Literal",
     "Primitive",
     "SymbolicZero",
+    "VERSION_DRIFT_ERRORS",
     "Var",
     "Zero",
     "abstract_value",
+    "ambient_scopes",
     "closed_call_p",
     "cond_p",
     "custom_jvp_call_p",
+    "custom_jvp_subfuns",
     "custom_vjp_call_p",
+    "custom_vjp_subfuns",
     "eqn_scopes",
     "eqn_source",
     "eqn_source_line",
     "eqn_user_frame",
+    "is_zero",
     "jax_version_string",
     "jit_p",
+    "lax_primitives_by_name",
     "legacy_context_mesh",
+    "pack_bwd_result",
     "remat_p",
-    "scan_p",
-    "shard_map_p",
+    "saved_residuals",
     "scan_layout",
+    "scan_p",
     "scan_params_with_extra_consts",
     "shard_map_body",
-    "ambient_scopes",
+    "shard_map_p",
+    "tangent_aval",
     "trace_to_closed_jaxpr",
     "trace_to_jaxpr_with_consts_as_inputs",
+    "unpack_bwd_result",
     "while_p",
     "with_dtype",
     "wrap_fun",
@@ -297,13 +307,6 @@ def tangent_aval(aval: Any) -> Any:
 def is_zero(x: Any) -> bool:
     """Whether `x` is one of JAX's symbolic zero cotangents/tangents."""
     return isinstance(x, (Zero, SymbolicZero))
-
-
-CustomVJPException = None
-try:
-    from jax._src.interpreters.ad import CustomVJPException  # noqa: F811
-except ImportError:  # pragma: no cover
-    from jax._src.custom_derivatives import CustomVJPException  # type: ignore # noqa
 
 
 def lax_primitives_by_name() -> dict[str, Primitive]:
