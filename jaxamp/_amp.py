@@ -12,7 +12,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
 
 from . import _compat
 from ._dtypes import canonical_compute_dtype
@@ -121,8 +120,7 @@ class AmpOptions:
         # program as one jit'd call: JAX then differentiates or batches it as a
         # whole jaxpr instead of primitive by primitive as amp emits them, which
         # saves about a fifth of the trace-and-lower time of a deep model.
-        mixed = _compat.trace_to_closed_jaxpr(evaluate, [_compat.abstract_value(x) for x in flat_args])
-        return rebuild(jax.jit(jaxpr_as_fun(mixed), inline=True)(*flat_args))
+        return rebuild(jax.jit(evaluate, inline=True)(*flat_args))
 
 
 def _resolve_dtypes(compute_dtype: Any, policy: Any) -> tuple[np.dtype, np.dtype | None]:
