@@ -107,6 +107,7 @@ class AmpOptions:
             observer=observer,
             inline=inline,
         )
+
         def evaluate(*flat):
             outs = interpret(closed.jaxpr, closed.consts, flat, ctx)
             outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
