@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxamp import _compat
+from jaxamp._diagnostics import equation_flops
 
 __all__ = [
     "Residuals",
@@ -143,24 +144,7 @@ def residuals(fn: Callable, *args: Any) -> Residuals:
     return Residuals(saved, from_args, dict(by_dtype), sources)
 
 
-def _dot_general_flops(eqn: Any) -> int:
-    (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
-    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-    # Every output element (batch x lhs-free x rhs-free) is a dot product of
-    # length prod(contracted dims): one multiply and one add per term.
-    out_elements = math.prod(eqn.outvars[0].aval.shape)
-    return 2 * out_elements * math.prod(lhs[d] for d in lhs_contract)
-
-
-def _conv_flops(eqn: Any) -> int:
-    rhs = eqn.invars[1].aval.shape
-    out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
-    # Each output element sums over (input features per group) x kernel window.
-    window = math.prod(rhs) // rhs[out_feature_dim]
-    return 2 * math.prod(eqn.outvars[0].aval.shape) * window
-
-
-_FLOP_COUNTERS = {"dot_general": _dot_general_flops, "conv_general_dilated": _conv_flops}
+_MATMULS = ("dot_general", "conv_general_dilated")
 
 
 def _sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
@@ -173,8 +157,8 @@ def _sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
 def _add_flops(jaxpr: Any, times: int, out: collections.Counter) -> None:
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         name = eqn.primitive.name
-        if name in _FLOP_COUNTERS:
-            out[np.dtype(eqn.invars[0].aval.dtype).name] += times * _FLOP_COUNTERS[name](eqn)
+        if name in _MATMULS:
+            out[np.dtype(eqn.invars[0].aval.dtype).name] += times * equation_flops(eqn)
         elif name == "cond":
             # One branch runs: count the most expensive.
             per_branch = [matmul_flops(branch) for branch in eqn.params["branches"]]

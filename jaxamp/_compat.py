@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex_core
-from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.ad_util import SymbolicZero, Zero
@@ -49,7 +48,6 @@ __all__ = [
     "eqn_source_line",
     "eqn_user_frame",
     "is_zero",
-    "jax_version_string",
     "jit_p",
     "lax_primitives_by_name",
     "legacy_context_mesh",
@@ -72,10 +70,6 @@ __all__ = [
 
 # What a handler raises when a JAX release moved an internal it relies on.
 VERSION_DRIFT_ERRORS: tuple[type[BaseException], ...] = (ImportError, AttributeError, KeyError)
-
-
-def jax_version_string() -> str:
-    return jax.__version__
 
 
 ClosedJaxpr = jex_core.ClosedJaxpr

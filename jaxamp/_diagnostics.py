@@ -25,8 +25,6 @@ from ._interpreter import EquationEvent
 
 __all__ = ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
 
-_MATMULS = ("dot_general", "conv_general_dilated")
-
 
 def _name(dtype: Any) -> str:
     return "-" if dtype is None else dtype_short_name(dtype) if _is_dtype(dtype) else str(dtype)
@@ -40,8 +38,12 @@ def _is_dtype(dtype: Any) -> bool:
         return False
 
 
-def matmul_flops(eqn: Any) -> int:
-    """Multiply-adds x 2 of a dot_general or convolution, from its shapes."""
+def equation_flops(eqn: Any) -> int:
+    """FLOPs (2 x multiply-adds) of a dot_general or convolution, from its shapes; else 0.
+
+    A dot_general costs ``2 * batch * M * N * K``; a convolution ``2 * output
+    size * kernel window * input features per group``.
+    """
     name = eqn.primitive.name
     if name == "dot_general":
         (lhs_contract, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
@@ -105,7 +107,7 @@ class AmpRow:
 def _row(event: EquationEvent) -> AmpRow:
     eqn = event.eqn
     casts = sum(a != b for a, b in zip(event.dtypes_before, event.dtypes_after) if is_castable(a))
-    flops = matmul_flops(eqn) * event.trip_count if eqn.primitive.name in _MATMULS else 0
+    flops = equation_flops(eqn) * event.trip_count
     return AmpRow(
         primitive=eqn.primitive.name,
         scope="/".join(event.scopes),

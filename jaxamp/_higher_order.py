@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -209,24 +209,24 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
 
     traced, carry_dtypes = _settle_carry(trace, [dtype_of(x) for x in init], original_carry, num_carry)
     _report(ctx, traced)
-    new, hoisted = traced
-    new_params = _compat.scan_params_with_extra_consts(params, new, len(hoisted))
-    return _compat.scan_p.bind(*hoisted, *consts, *_cast_all(init, carry_dtypes), *xs, **new_params)
+    new_params = _compat.scan_params_with_extra_consts(params, traced.closed, len(traced.hoisted))
+    return _compat.scan_p.bind(
+        *traced.hoisted, *consts, *_cast_all(init, carry_dtypes), *xs, **new_params
+    )
 
 
-class _Traced(tuple):
-    # (closed jaxpr, hoisted consts), with the jaxpr's out_avals exposed so
-    # `_settle_carry` can read them without knowing about hoisting, and the
-    # observer events of this trace held back: `_settle_carry` may trace a body
-    # up to three times, and diagnostics must see the kept trace only once.
-    def __new__(cls, closed, hoisted, events):
-        self = super().__new__(cls, (closed, hoisted))
-        self.events = events
-        return self
+class _Traced(NamedTuple):
+    """A traced loop body: its jaxpr, the constants hoisted to leading inputs,
+    and its observer events, held back because `_settle_carry` may trace a body
+    up to three times and diagnostics must see the kept trace only once."""
+
+    closed: Any
+    hoisted: list
+    events: list
 
     @property
     def out_avals(self):
-        return self[0].out_avals
+        return self.closed.out_avals
 
 
 def _trace_loop_body(body_jaxpr, ctx: AmpContext, avals: list, out_dtypes) -> _Traced:
@@ -256,10 +256,9 @@ def _scan_inline(ctx, eqn, consts, init, xs):
         ys.append(y)
     if params["reverse"]:
         ys.reverse()
-    num_ys = len(closed.out_avals) - num_carry
     stacked = [
         jnp.stack([y[j] for y in ys]) if ys else jnp.zeros((0, *a.shape), a.dtype)
-        for j, a in zip(range(num_ys), closed.out_avals[num_carry:])
+        for j, a in enumerate(closed.out_avals[num_carry:])
     ]
     return [*carry, *stacked]
 
@@ -289,7 +288,6 @@ def _while(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
 
     traced, carry_dtypes = _settle_carry(trace, [dtype_of(x) for x in init], original_carry, len(init))
     _report(ctx, traced)
-    new_body, body_hoisted = traced
     cond_avals = [
         *_avals_like(cond_closed.in_avals[:cond_n], cond_consts),
         *(_compat.with_dtype(a, d) for a, d in zip(cond_closed.in_avals[cond_n:], carry_dtypes)),
@@ -300,12 +298,12 @@ def _while(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     new_params = dict(
         params,
         cond_jaxpr=new_cond,
-        body_jaxpr=new_body,
+        body_jaxpr=traced.closed,
         cond_nconsts=cond_n + len(cond_hoisted),
-        body_nconsts=body_n + len(body_hoisted),
+        body_nconsts=body_n + len(traced.hoisted),
     )
     return _compat.while_p.bind(
-        *cond_hoisted, *cond_consts, *body_hoisted, *body_consts,
+        *cond_hoisted, *cond_consts, *traced.hoisted, *body_consts,
         *_cast_all(init, carry_dtypes), **new_params,
     )
 

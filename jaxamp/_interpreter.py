@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import _compat
@@ -126,7 +127,7 @@ def _run_handler(handler: Callable, ctx: AmpContext, eqn: Any, invals: list) -> 
             _warned.add(eqn.primitive.name)
             warnings.warn(
                 f"jaxamp could not rewrite {eqn.primitive.name!r} on JAX "
-                f"{_compat.jax_version_string()} ({type(err).__name__}: {err}); its body "
+                f"{jax.__version__} ({type(err).__name__}: {err}); its body "
                 "runs at original precision. Please report this with your JAX version.",
                 RuntimeWarning,
                 stacklevel=2,
@@ -139,14 +140,14 @@ _warned: set[str] = set()
 
 def _apply_rule(ctx: AmpContext, eqn: Any, invals: list, force_original: bool = False) -> Any:
     scopes = ctx.scopes + _compat.eqn_scopes(eqn)
-    choice = choose_rule(ctx.policy, scopes, eqn.primitive)
-    if choice is None:
-        choice = RuleChoice(use_original_precision, "original")
     original = tuple(getattr(v.aval, "dtype", None) for v in eqn.invars)
     params = eqn.primitive.get_bind_params(eqn.params)
-    if "subfuns" in params or force_original:
-        # An unknown higher-order primitive: its body cannot be rewritten, so
-        # it gets exactly the operands it was traced with.
+    # An unknown higher-order primitive (or one whose handler failed): its body
+    # cannot be rewritten, so it gets exactly the operands it was traced with.
+    choice = None
+    if "subfuns" not in params and not force_original:
+        choice = choose_rule(ctx.policy, scopes, eqn.primitive)
+    if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)
     outvals = eqn.primitive.bind(*new_invals, **new_params)

@@ -61,10 +61,13 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
     rounds to inf), and the extra ops are not worth it there.
     """
     current = dtype_of(x)
-    if current == dtype or not (is_castable(current) and is_castable(dtype)):
-        return x
-    limit = float(jnp.finfo(dtype).max)
-    if np.dtype(dtype) == np.dtype(jnp.float16) and float(jnp.finfo(current).max) > limit:
+    narrowing_to_float16 = (
+        is_castable(current)
+        and np.dtype(dtype) == np.dtype(jnp.float16)
+        and jnp.finfo(current).max > jnp.finfo(jnp.float16).max
+    )
+    if narrowing_to_float16:
+        limit = float(jnp.finfo(jnp.float16).max)
         if isinstance(x, (int, float, np.ndarray, np.generic)):  # a literal: no ops needed
             x = np.asarray(x, current)
             x = np.where(np.isinf(x), x, np.clip(x, -limit, limit)).astype(current)
@@ -72,7 +75,7 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
             bound = np.asarray(limit, current)
             clamped = lax.clamp(-bound, x, bound)
             x = lax.select(lax.eq(lax.abs(x), np.asarray(np.inf, current)), x, clamped)
-    return lax.convert_element_type(x, dtype)
+    return cast_value(x, dtype)
 
 
 def _cast_operands(

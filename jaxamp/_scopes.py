@@ -7,7 +7,6 @@ string keys match those names; its primitive keys match the equation's primitive
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -19,17 +18,14 @@ AMP_STOP = "amp_stop"
 AMP_DEFAULT = "amp_default"
 
 
-class _AmpStop(contextlib.ContextDecorator):
-    # A ContextDecorator, so one object serves both `@amp_stop` and
-    # `with amp_stop():`. The scope is recorded on every equation traced inside,
-    # including those of jit'd functions and loop bodies called from here.
-    def __enter__(self):
-        self._scope = jax.named_scope(AMP_STOP)
-        self._scope.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._scope.__exit__(*exc)
+@contextlib.contextmanager
+def _stopped():
+    # A generator context manager is also a decorator that makes a fresh scope
+    # per call, so one definition serves `@amp_stop` and `with amp_stop():`,
+    # recursion and threads included. The scope is recorded on every equation
+    # traced inside, including those of jit'd functions and loop bodies.
+    with jax.named_scope(AMP_STOP):
+        yield
 
 
 def amp_stop(fn: Callable | None = None):
@@ -46,19 +42,13 @@ def amp_stop(fn: Callable | None = None):
         The wrapped function, or a context manager when `fn` is None.
     """
     if fn is None:
-        return _AmpStop()
+        return _stopped()
     if not callable(fn):
         raise TypeError(
             f"amp_stop expects a function to decorate (or no argument, as a context "
             f"manager), got {fn!r}."
         )
-
-    @functools.wraps(fn)
-    def stopped(*args, **kwargs):
-        with jax.named_scope(AMP_STOP):
-            return fn(*args, **kwargs)
-
-    return stopped
+    return _stopped()(fn)
 
 
 class RuleChoice(NamedTuple):

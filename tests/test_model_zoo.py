@@ -5,7 +5,6 @@ amp'd loss and of its gradient has compute-dtype operands; the loss is within
 bf16 tolerance of float32; all gradients are float32.
 """
 
-from functools import partial
 
 import equinox as eqx
 import jax
