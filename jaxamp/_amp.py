@@ -108,20 +108,15 @@ class AmpOptions:
             inline=inline,
         )
 
-        def evaluate(*flat):
-            outs = interpret(closed.jaxpr, closed.consts, flat, ctx)
-            outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
-            if self.output_dtype is not None:
-                outs = [cast_value(x, self.output_dtype) for x in outs]
-            return outs
-
-        if inline or observer is not None or not any(isinstance(x, jax.core.Tracer) for x in flat_args):
-            return rebuild(evaluate(*flat_args))
-        # Under a transformation (grad, vmap, an outer jit) hand JAX the amp'd
-        # program as one jit'd call: JAX then differentiates or batches it as a
-        # whole jaxpr instead of primitive by primitive as amp emits them, which
-        # saves about a fifth of the trace-and-lower time of a deep model.
-        return rebuild(jax.jit(evaluate, inline=True)(*flat_args))
+        outs = interpret(closed.jaxpr, closed.consts, flat_args, ctx)
+        outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
+        if self.output_dtype is not None:
+            outs = [cast_value(x, self.output_dtype) for x in outs]
+        # Re-emitted straight into the caller's trace (grad, vmap, an outer jit),
+        # like the user's own code: calls keep their jaxprs (see
+        # `_compat.trace_keeping_calls`), so JAX differentiates each distinct
+        # body once and source lines stay the user's.
+        return rebuild(outs)
 
 
 def _resolve_dtypes(compute_dtype: Any, policy: Any) -> tuple[np.dtype, np.dtype | None]:
@@ -184,7 +179,7 @@ def _trace(fn: Callable, args: tuple, kwargs: dict):
         return [jnp.asarray(x) for x in out_flat]
 
     in_avals = [_compat.abstract_value(x) for x in flat_args]
-    closed = _compat.trace_to_closed_jaxpr(flat_fn, in_avals)
+    closed = _compat.trace_keeping_calls(flat_fn, in_avals)
 
     def rebuild(outs):
         out_tree, out_static = out_info

@@ -119,7 +119,7 @@ def _row(event: EquationEvent) -> AmpRow:
         casts=casts,
         flops=flops,
         trip_count=event.trip_count,
-        source=_compat.eqn_source_line(eqn),
+        source=_compat.frame_line(event.user_frame),
     )
 
 
@@ -314,7 +314,7 @@ def find_nonfinite(fn: Callable, **amp_options: Any) -> Callable[..., NonFiniteR
 
 def _nonfinite_report(event: EquationEvent) -> NonFiniteReport:
     row = _row(event)
-    frame = _compat.eqn_user_frame(event.eqn)
+    frame = event.user_frame
     return NonFiniteReport(
         primitive=row.primitive,
         scope=row.scope,

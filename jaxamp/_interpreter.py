@@ -36,6 +36,21 @@ class EquationEvent:
     inputs: tuple[Any, ...]
     outputs: tuple[Any, ...]
     trip_count: int
+    call_sites: tuple[Any, ...] = ()  # enclosing higher-order equations, outermost first
+
+    @property
+    def user_frame(self) -> Any:
+        """The user's frame that emitted the equation, or None.
+
+        An equation inside a ``jax.numpy`` function's jit'd body has no user
+        frame of its own; as when JAX inlines that body, it is attributed to the
+        innermost enclosing call that has one.
+        """
+        for eqn in (self.eqn, *reversed(self.call_sites)):
+            frame = _compat.eqn_user_frame(eqn)
+            if frame is not None:
+                return frame
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +69,8 @@ class AmpContext:
             sees every equation's concrete output (`find_nonfinite`).
         trip_count: how many times the jaxpr runs per call of the outermost
             function (scan lengths multiplied), for FLOP accounting.
+        call_sites: the higher-order equations whose bodies enclose this
+            jaxpr, outermost first, for attributing equations to source lines.
     """
 
     compute_dtype: np.dtype
@@ -62,10 +79,15 @@ class AmpContext:
     observer: Callable[[EquationEvent], None] | None = None
     inline: bool = False
     trip_count: int = 1
+    call_sites: tuple[Any, ...] = ()
 
     def nested(self, eqn: Any) -> AmpContext:
         """The context for the bodies of `eqn`, a higher-order equation."""
-        return dataclasses.replace(self, scopes=self.scopes + _compat.eqn_scopes(eqn))
+        return dataclasses.replace(
+            self,
+            scopes=self.scopes + _compat.eqn_scopes(eqn),
+            call_sites=self.call_sites + (eqn,),
+        )
 
     def repeated(self, times: int) -> AmpContext:
         """The context for a loop body that runs `times` times per call."""
@@ -164,6 +186,7 @@ def _apply_rule(ctx: AmpContext, eqn: Any, invals: list, force_original: bool = 
                 inputs=tuple(new_invals),
                 outputs=outs,
                 trip_count=ctx.trip_count,
+                call_sites=ctx.call_sites,
             )
         )
     return outvals

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxamp import amp
+from jaxamp import _compat, amp, default_amp_policy
 from jaxpr_walk import assert_all_matmuls_in, iter_eqns, scan_num_consts
 
 KEY = jax.random.PRNGKey(0)
@@ -244,3 +244,71 @@ def test_handler_broken_by_a_jax_upgrade_falls_back_to_original_precision(monkey
         jaxpr = jax.make_jaxpr(amp(f))(W, X)
     assert_all_matmuls_in(jaxpr, jnp.float32)
     np.testing.assert_allclose(amp(f)(W, X), f(W, X), rtol=1e-6)
+
+
+# --- calls of inline jit'd functions (most of jax.numpy) -----------------------
+
+
+def _inline_layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+# How jax.numpy marks the functions whose bodies JAX inlines while tracing:
+# ``inline=True`` on JAX 0.10; on 0.11 that means inlined at lowering, and
+# tracing-time inlining is ``jax.Inline.JAX_EARLY``.
+INLINED_WHILE_TRACING = jax.Inline.JAX_EARLY if hasattr(jax, "Inline") else True
+INLINE_LAYER = jax.jit(_inline_layer, inline=INLINED_WHILE_TRACING)
+
+
+def _four_inline_layers(w, x):
+    for _ in range(4):
+        x = INLINE_LAYER(w, x)
+    return jnp.sum(x**2)
+
+
+def amp_policy_with(primitive, rule):
+    return default_amp_policy | {primitive: rule}
+
+
+def test_each_distinct_inline_call_is_rewritten_once():
+    # A rule that counts its calls: amp rewrites the shared body once per
+    # operand dtypes, not once per call site, so JAX's per-jaxpr caches
+    # (linearize, transpose) hit as they do without amp. The first call gets a
+    # float32 x, the other three the float16 output of the one before.
+    calls = []
+
+    def counting(compute_dtype, original_dtypes, *invars, **params):
+        calls.append(original_dtypes)
+        return invars, params
+
+    table = amp_policy_with(jax.lax.tanh_p, counting)
+    jaxpr = jax.make_jaxpr(jax.grad(amp(_four_inline_layers, amp_policy=table)))(W, X)
+    assert len(calls) == 2
+    # 4 forward, 4 for the weight gradient, 3 carrying it back through x.
+    assert_all_matmuls_in(jaxpr, jnp.float16, at_least=11)
+
+
+def test_inline_calls_are_inlined_as_without_amp():
+    # amp keeps the call while it rewrites, and JAX inlines it when amp binds it,
+    # so the rewritten program has the structure JAX gives the original.
+    plain = jax.make_jaxpr(_four_inline_layers)(W, X)
+    mixed = jax.make_jaxpr(amp(_four_inline_layers))(W, X)
+    assert not _eqns(plain, "jit") and not _eqns(mixed, "jit")
+    assert len(_eqns(mixed, "dot_general")) == len(_eqns(plain, "dot_general")) == 4
+    g, g0 = jax.grad(amp(_four_inline_layers))(W, X), jax.grad(_four_inline_layers)(W, X)
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, g0, rtol=2e-2, atol=2e-2)
+
+
+def test_rewritten_equations_keep_the_users_source_lines():
+    def f(w, x):
+        return jnp.where(x > 0, x @ w, 0.0).sum()  # every op here sits in a jnp jit
+
+    line = f.__code__.co_firstlineno + 1
+    for fn in (amp(f), jax.grad(amp(f))):
+        jaxpr = jax.make_jaxpr(fn)(W, X)
+        dots = _eqns(jaxpr, "dot_general")
+        frames = [_compat.eqn_user_frame(e) for e in dots]
+        assert dots and all(
+            fr is not None and fr.file_name == __file__ and fr.start_line == line for fr in frames
+        ), [_compat.frame_line(fr) for fr in frames]
