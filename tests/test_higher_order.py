@@ -266,10 +266,6 @@ def _four_inline_layers(w, x):
     return jnp.sum(x**2)
 
 
-def amp_policy_with(primitive, rule):
-    return default_amp_policy | {primitive: rule}
-
-
 def test_each_distinct_inline_call_is_rewritten_once():
     # A rule that counts its calls: amp rewrites the shared body once per
     # operand dtypes, not once per call site, so JAX's per-jaxpr caches
@@ -281,7 +277,7 @@ def test_each_distinct_inline_call_is_rewritten_once():
         calls.append(original_dtypes)
         return invars, params
 
-    table = amp_policy_with(jax.lax.tanh_p, counting)
+    table = default_amp_policy | {jax.lax.tanh_p: counting}
     jaxpr = jax.make_jaxpr(jax.grad(amp(_four_inline_layers, amp_policy=table)))(W, X)
     assert len(calls) == 2
     # 4 forward, 4 for the weight gradient, 3 carrying it back through x.
