@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
+from . import _compat, _higher_order  # noqa: F401  (_higher_order registers the handlers)
 from ._dtypes import canonical_compute_dtype
 from ._interpreter import AmpContext, interpret
-from ._rules import cast_value, default_amp_policy
+from ._casting import cast_value
+from ._rules import default_amp_policy, freeze
 
 __all__ = ["AmpOptions", "amp"]
 
@@ -102,7 +103,7 @@ class AmpOptions:
         closed, flat_args, rebuild = _trace(fn, args, kwargs)
         ctx = AmpContext(
             compute_dtype=self.compute_dtype,
-            policy=self.table,
+            policy=freeze(self.table),
             scopes=_compat.ambient_scopes(),
             observer=observer,
             inline=inline,

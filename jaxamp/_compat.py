@@ -6,12 +6,17 @@ outer transformations), and rebuild the sub-functions that custom-derivative and
 shard_map primitives bind with. JAX has no public API for these, so they live
 here: a JAX upgrade should touch this file and nothing else.
 
-Supported: JAX 0.10.x and 0.11.x (see ``pyproject.toml``).
+Supported: JAX 0.10.x through 0.12.x (see ``pyproject.toml``). Differences
+between versions are detected once, at import, as the named flags below; the
+accessors a handler calls raise `JaxInternalsChanged` when an internal they
+read has moved, which is the only error amp turns into a fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -27,15 +32,18 @@ from jax._src.interpreters.ad import CustomVJPException
 from jax._src.state.types import AbstractRef as _AbstractRef
 
 __all__ = [
+    "BWD_RETURNS_LOGS",
     "ClosedJaxpr",
     "CustomVJPException",
     "DropVar",
+    "HAS_FLATTREE",
+    "HAS_INLINE_ENUM",
+    "JaxInternalsChanged",
     "Jaxpr",
     "JaxprEqn",
     "Literal",
     "Primitive",
     "SymbolicZero",
-    "VERSION_DRIFT_ERRORS",
     "Var",
     "Zero",
     "abstract_value",
@@ -51,6 +59,7 @@ __all__ = [
     "eqn_user_frame",
     "frame_line",
     "is_zero",
+    "jaxpr_as_fun",
     "jit_p",
     "lax_primitives_by_name",
     "legacy_context_mesh",
@@ -77,8 +86,52 @@ __all__ = [
 # JAX's own frames are.
 _source_info.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
-# What a handler raises when a JAX release moved an internal it relies on.
-VERSION_DRIFT_ERRORS: tuple[type[BaseException], ...] = (ImportError, AttributeError, KeyError)
+# --- version flags: what changed between supported JAX releases -------------
+
+# 0.11: scan stores its operand layout as a `FlatTree` (``ft_in``: constants,
+# carry, xs) instead of ``num_consts``/``num_carry``; shard_map's sub-function
+# returns a `jax._src.flattree` tree instead of `tree_util.FlatTree`.
+HAS_FLATTREE = importlib.util.find_spec("jax._src.flattree") is not None
+# 0.11: custom_vjp backward rules may return logs, so bwd returns (cts, logs).
+BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+# 0.11: ``jit(inline=True)`` means "inline at lowering"; inlining while tracing
+# (what jax.numpy asks for) is ``inline=Inline.JAX_EARLY``. 0.10 has only the bool.
+HAS_INLINE_ENUM = hasattr(jax, "Inline")
+
+if HAS_FLATTREE:
+    from jax._src import flattree as _flattree
+
+    _flatten_tree = _flattree.flatten
+else:
+    from jax._src.tree_util import FlatTree as _FlatTree
+
+    _flatten_tree = _FlatTree.flatten
+
+
+class JaxInternalsChanged(RuntimeError):
+    """A JAX internal amp relies on has moved in this JAX release.
+
+    Raised only by this module's accessors, never for errors in user code or
+    in policy rules, so the evaluation loop can fall back (with a warning) for
+    exactly this case and let everything else propagate.
+    """
+
+
+# What moving an internal looks like from the outside.
+_DRIFT_ERRORS: tuple[type[BaseException], ...] = (ImportError, AttributeError, KeyError, TypeError)
+
+
+def _internal(fn: Callable) -> Callable:
+    # For accessors that read JAX internals and call no user code: any of the
+    # errors above raised inside them can only mean the internals moved.
+    @functools.wraps(fn)
+    def accessor(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _DRIFT_ERRORS as err:
+            raise JaxInternalsChanged(f"{fn.__name__}: {type(err).__name__}: {err}") from err
+
+    return accessor
 
 
 ClosedJaxpr = jex_core.ClosedJaxpr
@@ -88,6 +141,7 @@ Literal = jex_core.Literal
 DropVar = jex_core.DropVar
 Primitive = jex_core.Primitive
 Var = jex_core.Var
+jaxpr_as_fun = jex_core.jaxpr_as_fun
 
 _prims = jex_core.primitives
 jit_p = _prims.jit_p
@@ -193,10 +247,10 @@ def trace_to_closed_jaxpr(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
 
 
 def _inlined_while_tracing(params: dict) -> bool:
-    # JAX 0.10 marks such calls ``inline=True``; 0.11 ``inline=Inline.JAX_EARLY``
-    # (its ``inline=True`` means JAX_LATE: kept as a call until lowering).
     inline = params.get("inline")
-    return inline is True or getattr(inline, "value", None) == "jax_early"
+    if HAS_INLINE_ENUM:
+        return inline == jax.Inline.JAX_EARLY
+    return inline is True
 
 
 class _CallKeepingTrace(_pe.DynamicJaxprTrace):
@@ -247,7 +301,7 @@ def trace_keeping_calls(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
     fun = wrap_fun(fn, name=getattr(fn, "__name__", "amp_fn"), num_args=len(in_avals))
     try:
         trace = _CallKeepingTrace(fun.debug_info, parent_trace=_core.trace_ctx.trace)
-    except VERSION_DRIFT_ERRORS + (TypeError,):  # pragma: no cover - future JAX
+    except _DRIFT_ERRORS:  # pragma: no cover - future JAX
         return trace_to_closed_jaxpr(fn, in_avals)
     # As trace_to_jaxpr_dynamic: the equations' metadata is rooted here, not at
     # the caller's name stack and traceback.
@@ -279,60 +333,51 @@ def trace_to_jaxpr_with_consts_as_inputs(
     return ClosedJaxpr(jaxpr, ()), list(closed.consts)
 
 
+@_internal
 def scan_layout(params: dict) -> tuple[int, int]:
-    """``(num_consts, num_carry)`` of a scan equation.
-
-    JAX 0.10 stores the counts; 0.11 stores ``ft_in``, a flat tree of three
-    groups (constants, carry, xs).
-    """
-    if "num_consts" in params:
+    """``(num_consts, num_carry)`` of a scan equation (see `HAS_FLATTREE`)."""
+    if not HAS_FLATTREE:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
 
 
+@_internal
 def scan_params_with_extra_consts(params: dict, jaxpr: ClosedJaxpr, num_extra: int) -> dict:
     """Scan parameters for `jaxpr`, which takes `num_extra` new leading constants."""
     new = dict(params, jaxpr=jaxpr)
     if num_extra == 0:
         return new
-    if "num_consts" in params:
+    if not HAS_FLATTREE:
         new["num_consts"] = params["num_consts"] + num_extra
         if "linear" in params:  # dropped from scan's parameters in later releases
             new["linear"] = (False,) * num_extra + tuple(params["linear"])
         return new
-    from jax._src import flattree
-
     consts, carry, xs = params["ft_in"].unpack()
     # The same grouping JAX's own scan partial-eval uses for added residuals.
-    new["ft_in"] = flattree.pack(((flattree.nones(num_extra), consts), carry, xs))
+    new["ft_in"] = _flattree.pack(((_flattree.nones(num_extra), consts), carry, xs))
     return new
 
 
+@_internal
 def shard_map_body(eqn_params: dict, body: Callable) -> dict:
     """Bind parameters for `shard_map_p` whose body runs ``body(*args) -> outs``.
 
     `shard_map_p.get_bind_params` turns the stored jaxpr into a sub-function
     returning a `FlatTree` tagged with the output specs; we swap in our own body
-    with the same return convention.
+    with the same return convention (`body` is only called later, by JAX).
     """
-    try:  # JAX 0.11
-        from jax._src.flattree import flatten
-    except ImportError:  # JAX 0.10
-        from jax._src.tree_util import FlatTree
-
-        flatten = FlatTree.flatten
-
     params = shard_map_p.get_bind_params(eqn_params)
     out_specs = eqn_params["out_specs"]
 
     def run(*args):
-        return flatten(list(body(*args))).with_aux(out_specs)
+        return _flatten_tree(list(body(*args))).with_aux(out_specs)
 
     params["subfuns"] = (run,)
     return params
 
 
+@_internal
 def custom_jvp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any]:
     """Split `custom_jvp_call` params into bind params, the primal jaxpr and the jvp thunk."""
     params = dict(eqn_params)
@@ -342,6 +387,7 @@ def custom_jvp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any]:
     return params, (call_jaxpr, num_consts), jvp_jaxpr_fun
 
 
+@_internal
 def custom_vjp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any, Any]:
     """Split `custom_vjp_call` params into bind params, primal jaxpr, fwd thunk and bwd.
 
@@ -359,13 +405,9 @@ def custom_vjp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any, Any]:
     return params, (call_jaxpr, num_consts), fwd_jaxpr_thunk, bwd
 
 
-# JAX 0.11 lets custom_vjp backward rules return logs: bwd returns (cts, logs).
-_BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
-
-
 def unpack_bwd_result(result: Any) -> tuple[list, Any]:
     """``(cotangents, logs)`` from a custom_vjp bwd sub-function's result."""
-    if _BWD_RETURNS_LOGS:
+    if BWD_RETURNS_LOGS:
         cts, logs = result
         return list(cts), logs
     return list(result), None
@@ -373,7 +415,7 @@ def unpack_bwd_result(result: Any) -> tuple[list, Any]:
 
 def pack_bwd_result(cts: list, logs: Any) -> Any:
     """The inverse of `unpack_bwd_result`."""
-    return (cts, logs) if _BWD_RETURNS_LOGS else cts
+    return (cts, logs) if BWD_RETURNS_LOGS else cts
 
 
 def tangent_aval(aval: Any) -> Any:

@@ -6,8 +6,9 @@ parameters kept (shardings, donation, remat policy, scan length/unroll, the
 custom derivative rules). Loops and conds need their carries and branch outputs
 type-stable, so their handlers settle dtypes before binding.
 
-Signature: ``handler(ctx, eqn, invals) -> list of outputs``; `ctx` is already
-the nested context (scopes of `eqn` included).
+Each handler registers itself with `_interpreter.register` on import
+(``handler(ctx, eqn, invals) -> list of outputs``; `ctx` is already the nested
+context, scopes of `eqn` included).
 """
 
 from __future__ import annotations
@@ -19,29 +20,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import jaxpr_as_fun
 
 from . import _compat
+from ._casting import cast_value, dtype_of
 from ._dtypes import is_castable
-from ._interpreter import AmpContext, interpret
-from ._rules import cast_value, dtype_of
+from ._interpreter import AmpContext, Handler, interpret, register
 
-__all__ = ["HANDLERS", "register"]
-
-Handler = Callable[[AmpContext, Any, list], Sequence[Any]]
-HANDLERS: dict[Any, Handler] = {}
-
-
-def register(*primitives: Any) -> Callable[[Handler], Handler]:
-    """Register `handler` for each primitive (primitives missing here are skipped)."""
-
-    def decorator(handler: Handler) -> Handler:
-        for primitive in primitives:
-            if primitive is not None:
-                HANDLERS[primitive] = handler
-        return handler
-
-    return decorator
+__all__: list[str] = []  # handlers register themselves; nothing to import
 
 
 # --- helpers -----------------------------------------------------------------
@@ -77,20 +62,6 @@ def _out_dtypes(closed: Any) -> list:
 # --- calls: jit, closed_call, remat ----------------------------------------------
 
 
-class _Identity:
-    # Hashes and compares by identity: policy tables are unhashable dicts.
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __hash__(self):
-        return id(self.obj)
-
-    def __eq__(self, other):
-        return isinstance(other, _Identity) and other.obj is self.obj
-
-
 # amp'd bodies of call-like jaxprs, per original jaxpr. The same jit'd function
 # called in every layer has one jaxpr; handing JAX one amp'd jaxpr for it too
 # keeps JAX's own per-jaxpr caches (JVP, transpose, lowering) hitting, which
@@ -102,7 +73,9 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     """`closed` re-traced under amp for operands as amp holds them."""
     in_avals = _avals_like(closed.in_avals, invals)
     cacheable = ctx.observer is None and not ctx.inline
-    key = (tuple(in_avals), ctx.compute_dtype, _Identity(ctx.policy), ctx.scopes)
+    # The policy is a `PolicyTable` snapshot, hashed by its contents, so a
+    # table edited between calls never serves a body rewritten under the old one.
+    key = (tuple(in_avals), ctx.compute_dtype, ctx.policy, ctx.scopes)
     if cacheable:
         try:
             return _AMP_BODIES[closed][key]
@@ -341,7 +314,7 @@ def _cond(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     def joined(i, t):
         def branch(*args):
             consts, operands = args[: len(all_consts)], args[len(all_consts) :]
-            outs = jaxpr_as_fun(_compat.ClosedJaxpr(t.jaxpr, consts[offsets[i] : offsets[i + 1]]))(*operands)
+            outs = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(t.jaxpr, consts[offsets[i] : offsets[i + 1]]))(*operands)
             return _cast_all(outs, out_dtypes)
 
         return _compat.trace_to_closed_jaxpr(branch, [*const_avals, *op_avals])
@@ -381,7 +354,7 @@ def _custom_jvp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         return [*out_primals, *out_tangents]
 
     params["subfuns"] = (
-        _compat.wrap_fun(jaxpr_as_fun(primal), like=call_jaxpr.jaxpr),
+        _compat.wrap_fun(_compat.jaxpr_as_fun(primal), like=call_jaxpr.jaxpr),
         _compat.wrap_fun(jvp, like=jvp_jaxpr_fun),
     )
     return _compat.custom_jvp_call_p.bind(*invals, **params)
@@ -419,7 +392,7 @@ def _custom_vjp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         return _compat.pack_bwd_result(cts, logs)
 
     params["subfuns"] = (
-        _compat.wrap_fun(jaxpr_as_fun(primal), like=call_jaxpr.jaxpr),
+        _compat.wrap_fun(_compat.jaxpr_as_fun(primal), like=call_jaxpr.jaxpr),
         _compat.wrap_fun(fwd, like=fwd_jaxpr_thunk),
         _compat.wrap_fun(amp_bwd, like=bwd),
     )

@@ -2,8 +2,10 @@
 
 Each equation is re-emitted with its source information, its operands cast by
 the rule the policy table picks. Higher-order primitives (jit, scan, while, cond,
-remat, custom derivatives, shard_map) are handed to their handlers in
-`_higher_order`, which interpret their bodies with this same loop.
+remat, custom derivatives, shard_map) are handed to the handler registered for
+them here (`register`; the handlers live in `_higher_order`), which interpret
+their bodies with this same loop. The registry sits beside the loop, as JAX
+keeps its per-primitive rule tables beside each interpreter.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import jax
 import numpy as np
 
 from . import _compat
-from ._rules import dtype_of, use_original_precision
-from ._scopes import RuleChoice, choose_rule
+from ._casting import dtype_of
+from ._dtypes import is_castable
+from ._rules import PolicyTable, use_original_precision
+from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
 
-__all__ = ["AmpContext", "EquationEvent", "interpret"]
+__all__ = ["HANDLERS", "AmpContext", "EquationEvent", "Handler", "interpret", "register"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +63,8 @@ class AmpContext:
 
     Attributes:
         compute_dtype: the low-precision dtype rules cast to.
-        policy: the table of rules, keyed by primitive or scope name.
+        policy: the table of rules, keyed by primitive or scope name: a
+            `PolicyTable` snapshot, hashable by contents (caches key on it).
         scopes: named scopes active around the jaxpr being interpreted,
             outermost first (bodies of nested jaxprs record theirs relatively).
         observer: called with an `EquationEvent` per first-order equation
@@ -74,7 +79,7 @@ class AmpContext:
     """
 
     compute_dtype: np.dtype
-    policy: Mapping[Any, Callable]
+    policy: PolicyTable
     scopes: tuple[str, ...] = ()
     observer: Callable[[EquationEvent], None] | None = None
     inline: bool = False
@@ -94,6 +99,35 @@ class AmpContext:
         return dataclasses.replace(self, trip_count=self.trip_count * times)
 
 
+Handler = Callable[["AmpContext", Any, list], Sequence[Any]]
+"""``handler(ctx, eqn, invals) -> outputs`` for one higher-order primitive.
+
+`ctx` is already the nested context (the scopes of `eqn` included).
+"""
+
+HANDLERS: dict[Any, Handler] = {}
+
+
+def register(*primitives: Any) -> Callable[[Handler], Handler]:
+    """Register the decorated handler for each of `primitives`.
+
+    Args:
+        *primitives: primitive objects; None entries (a primitive this JAX
+            version lacks) are skipped.
+
+    Returns:
+        A decorator that registers its handler and returns it unchanged.
+    """
+
+    def decorator(handler: Handler) -> Handler:
+        for primitive in primitives:
+            if primitive is not None:
+                HANDLERS[primitive] = handler
+        return handler
+
+    return decorator
+
+
 def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpContext) -> list:
     """Evaluate `jaxpr` on `args` under amp.
 
@@ -107,8 +141,6 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     Returns:
         The values of ``jaxpr.outvars``, in whatever dtypes amp left them.
     """
-    from ._higher_order import HANDLERS
-
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -138,26 +170,62 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     return [read(v) for v in jaxpr.outvars]
 
 
-def _run_handler(handler: Callable, ctx: AmpContext, eqn: Any, invals: list) -> Any:
+def _run_handler(handler: Handler, ctx: AmpContext, eqn: Any, invals: list) -> Any:
     try:
         return handler(ctx.nested(eqn), eqn, invals)
-    except _compat.VERSION_DRIFT_ERRORS as err:
-        # A JAX release changed this primitive's internals under us. Running it
-        # unchanged at original precision is slower but correct; crashing the
-        # user's program is not an option.
-        if eqn.primitive.name not in _warned:
-            _warned.add(eqn.primitive.name)
-            warnings.warn(
-                f"jaxamp could not rewrite {eqn.primitive.name!r} on JAX "
-                f"{jax.__version__} ({type(err).__name__}: {err}); its body "
-                "runs at original precision. Please report this with your JAX version.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+    except _compat.JaxInternalsChanged as err:
+        # Only a `_compat` accessor raises this: a JAX release moved an internal
+        # the handler needs. Running the primitive unchanged at original
+        # precision is slower but correct. Errors from rules and from the
+        # user's own code inside the body are not caught: they propagate as
+        # raised, on every call.
+        _warn_once(
+            ("internals", eqn.primitive.name),
+            f"jaxamp could not rewrite {eqn.primitive.name!r} on JAX {jax.__version__} "
+            f"({err}); it runs at original precision (float32 where your program "
+            "had float32). Please report this with your JAX version.",
+        )
         return _apply_rule(ctx, eqn, invals, force_original=True)
 
 
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(key: tuple[str, str], message: str, category: type[Warning] = RuntimeWarning) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=4)
+
+
+def _warn_if_moved_back(eqn: Any, choice: RuleChoice, params: dict, before, after, compute_dtype) -> None:
+    # A precision change nobody asked for: amp had moved an operand to the
+    # compute dtype, and only the fallback (no table entry, or a body amp
+    # cannot rewrite) sends it back, so this op and what follows it run at
+    # original precision. Said once per primitive, naming the fix.
+    moved = [(b, a) for b, a in zip(before, after) if b != a and is_castable(b) and is_castable(a)]
+    if choice.decided_by not in (AMP_DEFAULT, "original") or not moved:
+        return
+    name = eqn.primitive.name
+    back_to = ", ".join(sorted({np.dtype(a).name for _, a in moved}))
+    if "subfuns" in params:
+        message = (
+            f"jaxamp has no handler for the higher-order primitive {name!r}, so it cannot "
+            f"rewrite its body: its operands, which amp had moved to "
+            f"{np.dtype(compute_dtype).name}, go back to {back_to} and the body runs at "
+            "original precision. Please report this primitive."
+        )
+    else:
+        key = f"jax.lax.{name}_p" if hasattr(jax.lax, f"{name}_p") else f"the {name!r} primitive"
+        message = (
+            f"amp policy table has no entry for primitive {name!r}, so {choice.decided_by!r} "
+            f"ran it at original precision: its operands, which amp had moved to "
+            f"{np.dtype(compute_dtype).name}, went back to {back_to}, and what follows runs "
+            f"at that precision too. If {name!r} is safe in half precision, add "
+            f"{{{key}: jaxamp.use_current_precision}} to your table "
+            f"(amp(fn, amp_policy=jaxamp.default_amp_policy | {{...}})); to keep it at "
+            "original precision without this warning, map it to jaxamp.use_original_precision."
+        )
+    _warn_once(("amp_default", name), message, UserWarning)
 
 
 def _apply_rule(ctx: AmpContext, eqn: Any, invals: list, force_original: bool = False) -> Any:
@@ -172,6 +240,10 @@ def _apply_rule(ctx: AmpContext, eqn: Any, invals: list, force_original: bool = 
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)
+    before = tuple(dtype_of(x) for x in invals)
+    after = tuple(dtype_of(x) for x in new_invals)
+    if not force_original:  # a handler that failed has warned already
+        _warn_if_moved_back(eqn, choice, params, before, after, ctx.compute_dtype)
     outvals = eqn.primitive.bind(*new_invals, **new_params)
     if ctx.observer is not None:
         outs = tuple(outvals) if eqn.primitive.multiple_results else (outvals,)
@@ -181,8 +253,8 @@ def _apply_rule(ctx: AmpContext, eqn: Any, invals: list, force_original: bool = 
                 scopes=scopes,
                 decided_by=choice.decided_by,
                 original_dtypes=original,
-                dtypes_before=tuple(dtype_of(x) for x in invals),
-                dtypes_after=tuple(dtype_of(x) for x in new_invals),
+                dtypes_before=before,
+                dtypes_after=after,
                 inputs=tuple(new_invals),
                 outputs=outs,
                 trip_count=ctx.trip_count,

@@ -12,17 +12,18 @@ float64 and complex numbers pass through untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from . import _compat
+from ._casting import cast_value, dtype_of, saturating_cast
 from ._dtypes import canonical_compute_dtype, is_castable
 
 __all__ = [
+    "PolicyTable",
     "Rule",
     "default_amp_policy",
     "use_compute_precision",
@@ -34,48 +35,6 @@ __all__ = [
 ]
 
 Rule = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
-
-
-def dtype_of(x: Any) -> Any:
-    """The dtype of a value: numpy's, or JAX's extended dtype (PRNG keys) as is."""
-    dtype = getattr(x, "dtype", None)
-    return dtype if dtype is not None else np.asarray(x).dtype
-
-
-def cast_value(x: Any, dtype: Any) -> Any:
-    """Convert `x` to `dtype` when both are amp-castable floats; else return `x`."""
-    current = dtype_of(x)
-    if current == dtype or not (is_castable(current) and is_castable(dtype)):
-        return x
-    return lax.convert_element_type(x, dtype)
-
-
-def saturating_cast(x: Any, dtype: Any) -> Any:
-    """`cast_value`, with finite values beyond `dtype`'s range clamped to its largest.
-
-    For casts amp inserts that the user never wrote: a float32 mask constant such
-    as ``-1e9`` must not become ``-inf`` in float16, where ``softmax`` would turn
-    a fully masked row into NaNs. Infinities stay infinite, so comparisons against
-    ``inf`` keep their meaning. Only float16 targets saturate: bfloat16 has
-    float32's exponent range (only the last 0.4% below ``finfo(float32).max``
-    rounds to inf), and the extra ops are not worth it there.
-    """
-    current = dtype_of(x)
-    narrowing_to_float16 = (
-        is_castable(current)
-        and np.dtype(dtype) == np.dtype(jnp.float16)
-        and jnp.finfo(current).max > jnp.finfo(jnp.float16).max
-    )
-    if narrowing_to_float16:
-        limit = float(jnp.finfo(jnp.float16).max)
-        if isinstance(x, (int, float, np.ndarray, np.generic)):  # a literal: no ops needed
-            x = np.asarray(x, current)
-            x = np.where(np.isinf(x), x, np.clip(x, -limit, limit)).astype(current)
-        else:
-            bound = np.asarray(limit, current)
-            clamped = lax.clamp(-bound, x, bound)
-            x = lax.select(lax.eq(lax.abs(x), np.asarray(np.inf, current)), x, clamped)
-    return cast_value(x, dtype)
 
 
 def _cast_operands(
@@ -266,4 +225,81 @@ def _resolve_primitive_names(table: dict[Any, Rule]) -> dict[Any, Rule]:
     }
 
 
-default_amp_policy: dict[Any, Rule] = _resolve_primitive_names(_default_table())
+class PolicyTable(Mapping):
+    """A read-only policy table, hashed by its contents.
+
+    `default_amp_policy` is one, so editing it in place fails loudly instead of
+    being ignored by amp's caches; build your own table with
+    ``default_amp_policy | {key: rule}`` (a plain dict). amp also freezes the
+    table it is given at each call (`freeze`), so amp'd bodies are cached per
+    table *contents*: a dict the user mutates between calls is seen afresh.
+    """
+
+    __slots__ = ("_entries", "_hash")
+
+    def __init__(self, entries: Mapping[Any, Rule]):
+        self._entries = dict(entries)
+        self._hash: int | None = None
+
+    def __getitem__(self, key: Any) -> Rule:
+        return self._entries[key]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        # Mapping.get goes through __getitem__ and an exception per miss; this
+        # is called for every equation amp evaluates.
+        return self._entries.get(key, default)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __or__(self, other: Any) -> dict[Any, Rule]:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return {**self._entries, **other}
+
+    def __ror__(self, other: Any) -> dict[Any, Rule]:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return {**other, **self._entries}
+
+    def __hash__(self) -> int:
+        # Raises TypeError for an unhashable rule: then amp does not cache.
+        if self._hash is None:
+            self._hash = hash(frozenset(self._entries.items()))
+        return self._hash
+
+    def __eq__(self, other: Any) -> bool:
+        if isinstance(other, PolicyTable):
+            return self._entries == other._entries
+        return isinstance(other, Mapping) and self._entries == dict(other)
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "amp policy tables such as jaxamp.default_amp_policy are read-only: build "
+            "your own with `table = jaxamp.default_amp_policy | {jax.lax.exp_p: rule}` "
+            "and pass it as amp(fn, amp_policy=table)."
+        )
+
+    __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = _read_only
+
+    def copy(self) -> dict[Any, Rule]:
+        """The entries as a new, mutable dict."""
+        return dict(self._entries)
+
+    def __repr__(self) -> str:
+        return f"PolicyTable({len(self._entries)} entries)"
+
+
+def freeze(table: Mapping[Any, Rule]) -> PolicyTable:
+    """`table` as a `PolicyTable`: a snapshot of its entries, unless it is one."""
+    return table if isinstance(table, PolicyTable) else PolicyTable(table)
+
+
+default_amp_policy: PolicyTable = PolicyTable(_resolve_primitive_names(_default_table()))
+"""The default amp policy table (read-only; see `PolicyTable`)."""

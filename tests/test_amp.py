@@ -1,5 +1,7 @@
 """amp(): the contract of jaxamp's own test suite, call forms, scopes, composition."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -68,11 +70,63 @@ def test_policy_entry_for_equinox_scope():
     np.testing.assert_array_equal(amp(linear, amp_policy=policy)(x), linear(x))
 
 
-def test_default_policy_is_a_dict_of_rules():
-    assert isinstance(default_amp_policy, dict)
+def test_default_policy_is_a_read_only_mapping_of_rules():
+    from collections.abc import Mapping
+
+    assert isinstance(default_amp_policy, Mapping)
     assert default_amp_policy[jax.lax.dot_general_p] is use_compute_precision
     assert default_amp_policy["amp_stop"] is use_original_precision
     assert all(callable(rule) for rule in default_amp_policy.values())
+    extended = default_amp_policy | {jax.lax.tanh_p: use_original_precision}
+    assert type(extended) is dict and extended[jax.lax.tanh_p] is use_original_precision
+    assert default_amp_policy[jax.lax.tanh_p] is not use_original_precision
+    assert ({"x": use_original_precision} | default_amp_policy)["x"] is use_original_precision
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda t: t.__setitem__(jax.lax.dot_general_p, use_original_precision),
+        lambda t: t.__delitem__(jax.lax.dot_general_p),
+        lambda t: t.update({jax.lax.dot_general_p: use_original_precision}),
+        lambda t: t.pop(jax.lax.dot_general_p),
+        lambda t: t.setdefault("scope", use_original_precision),
+        lambda t: t.clear(),
+    ],
+)
+def test_editing_the_default_table_in_place_raises(edit):
+    # It used to be a plain dict: an in-place edit was silently ignored once
+    # amp had cached a body rewritten under the old entries.
+    with pytest.raises(TypeError, match=r"read-only.*default_amp_policy \| \{"):
+        edit(default_amp_policy)
+    assert default_amp_policy[jax.lax.dot_general_p] is use_compute_precision
+
+
+def _dot_dtypes(jaxpr):
+    return [e.invars[0].aval.dtype for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+
+
+def test_a_table_mutated_between_calls_is_seen_by_cached_bodies():
+    # The body of the inner jit is cached per table; the cache must key on the
+    # table's contents, not on the dict object.
+    @jax.jit
+    def inner(w, x):
+        return jnp.tanh(x @ w)
+
+    def f(w, x):
+        return inner(w, x).sum()
+
+    def traced_dot_dtypes(table):
+        # A fresh amp'd function per call: JAX's own trace cache keys on the
+        # function object, and the point here is amp's cache of inner bodies.
+        return _dot_dtypes(jax.make_jaxpr(amp(f, amp_policy=table))(W, X))
+
+    table = dict(default_amp_policy)
+    assert traced_dot_dtypes(table) == [jnp.float16]
+    table[jax.lax.dot_general_p] = use_original_precision
+    assert traced_dot_dtypes(table) == [jnp.float32]
+    table[jax.lax.dot_general_p] = use_compute_precision
+    assert traced_dot_dtypes(table) == [jnp.float16]
 
 
 def test_batchnorm_under_vmap_with_axis_name():
@@ -210,7 +264,8 @@ def test_primitive_entry_and_amp_default():
         return jnp.sin(x) + 1.0
 
     policy = {jax.lax.sin_p: use_precision("bf16"), "amp_default": use_original_precision}
-    jaxpr = jax.make_jaxpr(amp(f, amp_policy=policy))(X)
+    with pytest.warns(UserWarning, match="no entry for primitive 'add'"):
+        jaxpr = jax.make_jaxpr(amp(f, amp_policy=policy))(X)
     sins = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.sin_p]
     assert sins[0].invars[0].aval.dtype == jnp.bfloat16
     adds = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.add_p]
@@ -226,7 +281,8 @@ def test_user_written_rule_receives_the_seed_signature():
         calls.append((compute_dtype, tuple(original_dtypes), len(invars), sorted(bind_params)))
         return use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)
 
-    amp(_mlp, amp_policy={jax.lax.dot_general_p: record}, compute_dtype="bf16")(W, X)
+    with pytest.warns(UserWarning, match="no entry for primitive 'tanh'"):
+        amp(_mlp, amp_policy={jax.lax.dot_general_p: record}, compute_dtype="bf16")(W, X)
     assert calls == [
         (jnp.bfloat16, (jnp.float32, jnp.float32), 2,
          sorted(jax.make_jaxpr(lambda a, b: a @ b)(X, W).eqns[0].params))
@@ -264,6 +320,45 @@ def test_unknown_primitive_runs_at_original_precision():
     callbacks = [e for e in iter_eqns(jaxpr) if "callback" in e.primitive.name]
     assert callbacks and all(v.aval.dtype == jnp.float32 for v in callbacks[0].invars)
     np.testing.assert_allclose(amp(f)(W, X), f(W, X), rtol=1e-2, atol=1e-2)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """amp warns once per primitive per process: forget what was said so far."""
+    from jaxamp import _interpreter
+
+    monkeypatch.setattr(_interpreter, "_warned", set())
+
+
+def _tanh_after_matmul(w, x):
+    return jnp.tanh(x @ w) * 2.0
+
+
+def test_amp_default_moving_operands_back_warns_once_naming_the_fix(fresh_warnings):
+    # Without an entry for tanh, amp_default sends the bf16 matmul output back
+    # to float32: a precision change the user did not ask for.
+    table = {k: v for k, v in default_amp_policy.items() if k is not jax.lax.tanh_p}
+    f = amp(_tanh_after_matmul, amp_policy=table, compute_dtype="bf16")
+    with pytest.warns(UserWarning) as record:
+        jaxpr = jax.make_jaxpr(f)(W, X)
+    messages = [str(w.message) for w in record if "amp policy table" in str(w.message)]
+    assert len(messages) == 1
+    assert "no entry for primitive 'tanh'" in messages[0]
+    assert "bfloat16" in messages[0] and "float32" in messages[0]
+    assert "{jax.lax.tanh_p: jaxamp.use_current_precision}" in messages[0]
+    tanhs = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.tanh_p]
+    assert tanhs[0].invars[0].aval.dtype == jnp.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second trace says nothing
+        jax.make_jaxpr(amp(_tanh_after_matmul, amp_policy=table, compute_dtype="bf16"))(W, X)
+
+
+def test_amp_default_on_unmoved_operands_is_silent(fresh_warnings):
+    # Operands that arrive in float32 and stay float32: no precision changed.
+    table = {k: v for k, v in default_amp_policy.items() if k is not jax.lax.sin_p}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp(lambda x: jnp.sin(x) + 1.0, amp_policy=table)(X)
 
 
 def test_ints_bools_and_float64_are_never_cast():

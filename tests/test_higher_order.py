@@ -2,6 +2,8 @@
 
 from functools import partial
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,12 +232,13 @@ def test_closed_call_body_is_rewritten():
 
 
 def test_handler_broken_by_a_jax_upgrade_falls_back_to_original_precision(monkeypatch):
-    from jaxamp import _compat, _higher_order
+    from jaxamp import _compat, _interpreter
 
     def broken(ctx, eqn, invals):
-        raise AttributeError("module 'jax._src.core' has no attribute 'moved'")
+        # What a `_compat` accessor raises when an internal it reads has moved.
+        raise _compat.JaxInternalsChanged("scan_layout: KeyError: 'num_consts'")
 
-    monkeypatch.setitem(_higher_order.HANDLERS, _compat.scan_p, broken)
+    monkeypatch.setitem(_interpreter.HANDLERS, _compat.scan_p, broken)
 
     def f(w, x):
         return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=2)[0]
@@ -244,6 +247,66 @@ def test_handler_broken_by_a_jax_upgrade_falls_back_to_original_precision(monkey
         jaxpr = jax.make_jaxpr(amp(f))(W, X)
     assert_all_matmuls_in(jaxpr, jnp.float32)
     np.testing.assert_allclose(amp(f)(W, X), f(W, X), rtol=1e-6)
+
+
+def test_compat_accessor_reports_moved_internals_as_such():
+    from jaxamp import _compat
+
+    with pytest.raises(_compat.JaxInternalsChanged, match="scan_layout: KeyError"):
+        _compat.scan_layout({})
+
+
+class RuleError(KeyError):
+    pass
+
+
+def _raising_rule(compute_dtype, original_dtypes, *invars, **params):
+    raise RuleError("the user's rule failed")
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        pytest.param(jax.jit, id="jit"),
+        pytest.param(lambda f: lambda w, x: jax.lax.scan(lambda c, _: (f(w, c), None), x, None, length=2)[0],
+                     id="scan"),
+        pytest.param(jax.checkpoint, id="remat"),
+    ],
+)
+def test_errors_in_rules_inside_bodies_propagate_on_every_call(wrap):
+    # A rule raising KeyError (or any error) inside a jit'd or scanned body is
+    # the user's error: it must surface unchanged, not be reported as a JAX
+    # upgrade problem and then silently run the body in float32.
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    table = default_amp_policy | {jax.lax.tanh_p: _raising_rule}
+    f = amp(wrap(layer), amp_policy=table)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # and no "could not rewrite" warning either
+            with pytest.raises(RuleError, match="the user's rule failed"):
+                jax.make_jaxpr(f)(W, X)
+
+
+def test_errors_in_user_code_inside_custom_vjp_bwd_propagate():
+    @jax.custom_vjp
+    def g(x):
+        return x * 2
+
+    def fwd(x):
+        return g(x), None
+
+    def bwd(_, ct):
+        raise AttributeError("bug in the user's bwd")
+
+    g.defvjp(fwd, bwd)
+
+    def loss(w, x):
+        return jnp.sum(g(x @ w))
+
+    with pytest.raises(AttributeError, match="bug in the user's bwd"):
+        jax.grad(amp(loss))(W, X)
 
 
 # --- calls of inline jit'd functions (most of jax.numpy) -----------------------

@@ -1,0 +1,60 @@
+"""Casting values between the dtypes amp moves: float32, float16 and bfloat16.
+
+The rules, the evaluation loop and the higher-order handlers all convert values
+through these, so "which values may be cast" (see `jaxamp._dtypes.is_castable`)
+and "how a narrowing cast treats out-of-range values" are decided once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._dtypes import is_castable
+
+__all__ = ["cast_value", "dtype_of", "saturating_cast"]
+
+
+def dtype_of(x: Any) -> Any:
+    """The dtype of a value: numpy's, or JAX's extended dtype (PRNG keys) as is."""
+    dtype = getattr(x, "dtype", None)
+    return dtype if dtype is not None else np.asarray(x).dtype
+
+
+def cast_value(x: Any, dtype: Any) -> Any:
+    """Convert `x` to `dtype` when both are amp-castable floats; else return `x`."""
+    current = dtype_of(x)
+    if current == dtype or not (is_castable(current) and is_castable(dtype)):
+        return x
+    return lax.convert_element_type(x, dtype)
+
+
+def saturating_cast(x: Any, dtype: Any) -> Any:
+    """`cast_value`, with finite values beyond `dtype`'s range clamped to its largest.
+
+    For casts amp inserts that the user never wrote: a float32 mask constant such
+    as ``-1e9`` must not become ``-inf`` in float16, where ``softmax`` would turn
+    a fully masked row into NaNs. Infinities stay infinite, so comparisons against
+    ``inf`` keep their meaning. Only float16 targets saturate: bfloat16 has
+    float32's exponent range (only the last 0.4% below ``finfo(float32).max``
+    rounds to inf), and the extra ops are not worth it there.
+    """
+    current = dtype_of(x)
+    narrowing_to_float16 = (
+        is_castable(current)
+        and np.dtype(dtype) == np.dtype(jnp.float16)
+        and jnp.finfo(current).max > jnp.finfo(jnp.float16).max
+    )
+    if narrowing_to_float16:
+        limit = float(jnp.finfo(jnp.float16).max)
+        if isinstance(x, (int, float, np.ndarray, np.generic)):  # a literal: no ops needed
+            x = np.asarray(x, current)
+            x = np.where(np.isinf(x), x, np.clip(x, -limit, limit)).astype(current)
+        else:
+            bound = np.asarray(limit, current)
+            clamped = lax.clamp(-bound, x, bound)
+            x = lax.select(lax.eq(lax.abs(x), np.asarray(np.inf, current)), x, clamped)
+    return cast_value(x, dtype)
