@@ -48,6 +48,7 @@ __all__ = [
     "Zero",
     "abstract_value",
     "ambient_scopes",
+    "call_body",
     "closed_call_p",
     "cond_p",
     "custom_jvp_call_p",
@@ -425,6 +426,24 @@ def tangent_aval(aval: Any) -> Any:
 def is_zero(x: Any) -> bool:
     """Whether `x` is one of JAX's symbolic zero cotangents/tangents."""
     return isinstance(x, (Zero, SymbolicZero))
+
+
+# Call-like primitives whose operands are their body's inputs one for one, each
+# with the parameter that holds the body.
+_CALL_BODY_PARAMS: dict[Any, str] = {
+    jit_p: "jaxpr",
+    closed_call_p: "call_jaxpr",
+    remat_p: "jaxpr",
+    custom_jvp_call_p: "call_jaxpr",
+    custom_vjp_call_p: "call_jaxpr",
+}
+
+
+def call_body(eqn: JaxprEqn) -> Jaxpr | None:
+    """The open body jaxpr of a call-like equation (jit, remat, custom rules' primal), or None."""
+    param = _CALL_BODY_PARAMS.get(eqn.primitive)
+    body = eqn.params.get(param) if param is not None else None
+    return getattr(body, "jaxpr", body)
 
 
 def lax_primitives_by_name() -> dict[str, Primitive]:

@@ -75,7 +75,9 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     cacheable = ctx.observer is None and not ctx.inline
     # The policy is a `PolicyTable` snapshot, hashed by its contents, so a
     # table edited between calls never serves a body rewritten under the old one.
-    key = (tuple(in_avals), ctx.compute_dtype, ctx.policy, ctx.scopes)
+    # The body's statistics plan depends on its operands' classes at this call.
+    statistics = ctx.statistics_inputs[1] if ctx.statistics_inputs is not None else None
+    key = (tuple(in_avals), ctx.compute_dtype, ctx.policy, ctx.scopes, statistics)
     if cacheable:
         try:
             return _AMP_BODIES[closed][key]

@@ -23,6 +23,7 @@ from ._casting import dtype_of
 from ._dtypes import is_castable
 from ._rules import PolicyTable, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
+from ._statistics import plan_statistics
 
 __all__ = ["HANDLERS", "AmpContext", "EquationEvent", "Handler", "interpret", "register"]
 
@@ -76,6 +77,9 @@ class AmpContext:
             function (scan lengths multiplied), for FLOP accounting.
         call_sites: the higher-order equations whose bodies enclose this
             jaxpr, outermost first, for attributing equations to source lines.
+        statistics_inputs: ``(body, arguments)`` when the next jaxpr to be
+            interpreted is the body of a call: what `plan_statistics` plans
+            it with at this call site (see `jaxamp._statistics`).
     """
 
     compute_dtype: np.dtype
@@ -85,6 +89,7 @@ class AmpContext:
     inline: bool = False
     trip_count: int = 1
     call_sites: tuple[Any, ...] = ()
+    statistics_inputs: tuple[Any, tuple] | None = None
 
     def nested(self, eqn: Any) -> AmpContext:
         """The context for the bodies of `eqn`, a higher-order equation."""
@@ -92,6 +97,7 @@ class AmpContext:
             self,
             scopes=self.scopes + _compat.eqn_scopes(eqn),
             call_sites=self.call_sites + (eqn,),
+            statistics_inputs=None,
         )
 
     def repeated(self, times: int) -> AmpContext:
@@ -155,14 +161,22 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     for v, value in zip(jaxpr.invars, args, strict=True):
         write(v, value)
 
-    for eqn in jaxpr.eqns:
+    given = ctx.statistics_inputs
+    plan = plan_statistics(jaxpr, *(given[1] if given is not None and given[0] is jaxpr else ()))
+    for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         handler = HANDLERS.get(eqn.primitive)
         with _compat.eqn_source(eqn):
             if handler is not None:
-                outvals = _run_handler(handler, ctx, eqn, invals)
+                nested = ctx.nested(eqn)
+                if i in plan.call_inputs:
+                    body = _compat.call_body(eqn)
+                    nested = dataclasses.replace(
+                        nested, statistics_inputs=(body, plan.call_inputs[i])
+                    )
+                outvals = _run_handler(handler, ctx, nested, eqn, invals)
             else:
-                outvals = _apply_rule(ctx, eqn, invals)
+                outvals = _apply_rule(ctx, eqn, invals, statistic=i in plan.statistics)
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
         for v, value in zip(eqn.outvars, outvals, strict=True):
@@ -170,9 +184,11 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     return [read(v) for v in jaxpr.outvars]
 
 
-def _run_handler(handler: Handler, ctx: AmpContext, eqn: Any, invals: list) -> Any:
+def _run_handler(
+    handler: Handler, ctx: AmpContext, nested: AmpContext, eqn: Any, invals: list
+) -> Any:
     try:
-        return handler(ctx.nested(eqn), eqn, invals)
+        return handler(nested, eqn, invals)
     except _compat.JaxInternalsChanged as err:
         # Only a `_compat` accessor raises this: a JAX release moved an internal
         # the handler needs. Running the primitive unchanged at original
@@ -228,7 +244,9 @@ def _warn_if_moved_back(eqn: Any, choice: RuleChoice, params: dict, before, afte
     _warn_once(("amp_default", name), message, UserWarning)
 
 
-def _apply_rule(ctx: AmpContext, eqn: Any, invals: list, force_original: bool = False) -> Any:
+def _apply_rule(
+    ctx: AmpContext, eqn: Any, invals: list, force_original: bool = False, statistic: bool = False
+) -> Any:
     scopes = ctx.scopes + _compat.eqn_scopes(eqn)
     original = tuple(getattr(v.aval, "dtype", None) for v in eqn.invars)
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -236,7 +254,7 @@ def _apply_rule(ctx: AmpContext, eqn: Any, invals: list, force_original: bool = 
     # cannot be rewritten, so it gets exactly the operands it was traced with.
     choice = None
     if "subfuns" not in params and not force_original:
-        choice = choose_rule(ctx.policy, scopes, eqn.primitive)
+        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic)
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)

@@ -301,5 +301,12 @@ def freeze(table: Mapping[Any, Rule]) -> PolicyTable:
     return table if isinstance(table, PolicyTable) else PolicyTable(table)
 
 
-default_amp_policy: PolicyTable = PolicyTable(_resolve_primitive_names(_default_table()))
+default_amp_policy: PolicyTable = PolicyTable(
+    {
+        **_resolve_primitive_names(_default_table()),
+        # Centring, squaring and normalising by moments, whichever library's
+        # norm layer wrote them (see `jaxamp._statistics`).
+        "amp_statistics": use_original_precision,
+    }
+)
 """The default amp policy table (read-only; see `PolicyTable`)."""

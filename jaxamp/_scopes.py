@@ -12,10 +12,12 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["AMP_DEFAULT", "AMP_STOP", "RuleChoice", "amp_stop", "choose_rule"]
+__all__ = ["AMP_DEFAULT", "AMP_STATISTICS", "AMP_STOP", "RuleChoice", "amp_stop", "choose_rule"]
 
 AMP_STOP = "amp_stop"
 AMP_DEFAULT = "amp_default"
+# The entry for normalisation statistics (see `jaxamp._statistics`).
+AMP_STATISTICS = "amp_statistics"
 
 
 @contextlib.contextmanager
@@ -55,24 +57,27 @@ class RuleChoice(NamedTuple):
     """The rule for one equation and which table entry supplied it."""
 
     rule: Callable
-    decided_by: str  # "amp_stop", "scope:<name>", "primitive" or "amp_default"
+    decided_by: str  # "amp_stop", "scope:<name>", "statistics", "primitive" or "amp_default"
 
 
 def choose_rule(
-    policy: Mapping[Any, Callable], scopes: Sequence[str], primitive: Any
+    policy: Mapping[Any, Callable], scopes: Sequence[str], primitive: Any, statistic: bool = False
 ) -> RuleChoice | None:
     """Pick the policy entry for an equation.
 
     An active ``amp_stop`` wins, because it is the user's explicit off switch;
-    otherwise the outermost active scope with an entry, then the primitive's
-    entry, then ``"amp_default"``. Returns None when nothing matches (the caller
-    keeps the original precision).
+    otherwise the outermost active scope with an entry; then, for an equation
+    computing normalisation statistics (`statistic`), ``"amp_statistics"``;
+    then the primitive's entry, then ``"amp_default"``. Returns None when
+    nothing matches (the caller keeps the original precision).
     """
     if AMP_STOP in scopes and AMP_STOP in policy:
         return RuleChoice(policy[AMP_STOP], AMP_STOP)
     for scope in scopes:
         if scope in policy:
             return RuleChoice(policy[scope], f"scope:{scope}")
+    if statistic and AMP_STATISTICS in policy:
+        return RuleChoice(policy[AMP_STATISTICS], "statistics")
     rule = policy.get(primitive)
     if rule is not None:
         return RuleChoice(rule, "primitive")

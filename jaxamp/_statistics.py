@@ -1,0 +1,232 @@
+"""Normalisation statistics: find the equations that must stay in float32.
+
+Norm layers from every library (flax linen and nnx, haiku, Hugging Face,
+``jax.nn.standardize``) compute the same few things: a mean (a ``reduce_sum``
+scaled by a constant), a centred value ``x - mean``, a variance from squares,
+and a normalised value ``x * rsqrt(var + eps)``. They write
+``x.astype(float32)`` for them, but when amp traces, ``x`` is already float32,
+so no cast is recorded; without help, an ``x`` that amp moved to bfloat16 (a
+matmul's output) would be centred, squared and scaled in bfloat16. Matching
+layer names cannot cover every library, so amp recognises the computation
+itself, by a dataflow pass over each jaxpr:
+
+* a *moment* is the output of ``reduce_sum``, or arithmetic of moments and
+  constants (``sum / n``, ``mean2 - mean**2``, ``var + eps``), reshaped or
+  broadcast;
+* a *normaliser* is ``rsqrt`` of anything but a constant (a batch norm's
+  running variance counts), or ``sqrt`` of a moment, or such a
+  value scaled by constants, moments or per-feature parameters (values
+  broadcast from fewer elements, e.g. flax's ``rsqrt(var + eps) * scale``).
+
+The *statistics equations*, run at original precision (the table's
+``"amp_statistics"`` entry), are then: ``sub`` of a moment from an activation
+(centring), ``mul``/``div`` of an activation by a normaliser (normalising),
+and a square (``square``, ``integer_pow`` by 2, ``x * x``) whose result is
+summed (a second moment). A softmax stays in the compute dtype: its sum of
+``exp`` is a moment, but dividing by a moment is not normalising by one of
+these, and ``x - max(x)`` subtracts no moment, so its probabilities (what
+attention saves for backward) keep their small dtype.
+
+The pass sees through calls (the ``jit``'d functions of ``jax.numpy``, remat,
+custom derivatives' primal bodies): a call's body is planned with the classes
+of its operands at that call site, and amp caches rewritten bodies per those
+classes. Loop and cond bodies are planned on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _compat
+
+__all__ = ["CONSTANT", "MOMENT", "NORMALISER", "OTHER", "StatisticsPlan", "plan_statistics"]
+
+# Classes of values. CONSTANT: literals, closed-over scalars and what is
+# computed from them alone.
+OTHER, MOMENT, NORMALISER, CONSTANT = 0, 1, 2, 3
+
+# Ops through which a value keeps its class: they move or convert elements
+# without combining them with others.
+_TRANSPARENT = frozenset(
+    {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy",
+     "transpose", "reduce_precision", "pvary", "psum", "pmean", "psum_invariant"}
+)
+_ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min", "neg"})
+
+@dataclasses.dataclass(frozen=True)
+class StatisticsPlan:
+    """What the pass found in one jaxpr, for operands of given classes.
+
+    Attributes:
+        statistics: indices of the equations to run at original precision.
+        call_inputs: for call equations, by index, the arguments the body is
+            planned with: its inputs' classes and which of its outputs the
+            caller sums.
+        out_classes: the class of each of the jaxpr's outputs.
+        summed_inputs: per input, whether the jaxpr sums it (it feeds a
+            ``reduce_sum``, possibly through transparent ops or calls), so a
+            caller knows a square passed in is a second moment.
+    """
+
+    statistics: frozenset[int]
+    call_inputs: dict[int, tuple[tuple[int, ...], tuple[bool, ...]]]
+    out_classes: tuple[int, ...]
+    summed_inputs: tuple[bool, ...]
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan_statistics(
+    jaxpr: Any,
+    in_classes: Sequence[int] | None = None,
+    summed_outputs: Sequence[bool] | None = None,
+) -> StatisticsPlan:
+    """The statistics plan of an open `jaxpr`.
+
+    Args:
+        jaxpr: an open jaxpr.
+        in_classes: one class per input (``OTHER`` for all when None).
+        summed_outputs: per output, whether the caller sums it (none when None).
+
+    Returns:
+        The plan (memoised per jaxpr and arguments).
+    """
+    key = (
+        tuple(in_classes) if in_classes is not None else (OTHER,) * len(jaxpr.invars),
+        tuple(summed_outputs) if summed_outputs is not None else (False,) * len(jaxpr.outvars),
+    )
+    try:
+        per_jaxpr = _PLANS.setdefault(jaxpr, {})
+    except TypeError:  # not weak-referenceable: plan without memoising
+        per_jaxpr = {}
+    plan = per_jaxpr.get(key)
+    if plan is None:
+        plan = per_jaxpr[key] = _plan(jaxpr, *key)
+    return plan
+
+
+def _size(var: Any) -> int:
+    return int(np.prod(getattr(var.aval, "shape", ()), dtype=np.int64))
+
+
+def _plan(
+    jaxpr: Any, in_classes: tuple[int, ...], summed_outputs: tuple[bool, ...]
+) -> StatisticsPlan:
+    cls: dict[Any, int] = dict(zip(jaxpr.invars, in_classes))
+    # Values broadcast from fewer elements: per-feature parameters, not activations.
+    per_feature: set[Any] = set()
+    statistics: set[int] = set()
+    call_inputs: dict[int, tuple[tuple[int, ...], tuple[bool, ...]]] = {}
+    # Variables some equation (or the caller) sums.
+    summed: set[Any] = {
+        v for v, s in zip(jaxpr.outvars, summed_outputs) if s and not isinstance(v, _compat.Literal)
+    }
+    call_summed: dict[int, tuple[bool, ...]] = {}
+    squares: dict[Any, int] = {}  # output of a square -> its equation's index
+
+    # Closed-over scalars are constants like literals; closed-over arrays may
+    # be data (running statistics captured by an inference function).
+    constvars = {v for v in jaxpr.constvars if _size(v) <= 1}
+
+    def of(v: Any) -> int:
+        if isinstance(v, _compat.Literal):
+            return CONSTANT
+        return cls.get(v, CONSTANT if v in constvars else OTHER)
+
+    # Walk backwards first to know which variables end up summed: a square
+    # is a second moment only if it is summed.
+    for i in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[i]
+        name = eqn.primitive.name
+        body = _compat.call_body(eqn)
+        if name == "reduce_sum" or (
+            name in _TRANSPARENT and any(o in summed for o in eqn.outvars)
+        ):
+            summed.update(v for v in eqn.invars if not isinstance(v, _compat.Literal))
+        elif body is not None:
+            call_summed[i] = tuple(o in summed for o in eqn.outvars)
+            # Which inputs a body sums does not depend on their classes.
+            inner = plan_statistics(body, None, call_summed[i])
+            summed.update(
+                v for v, s in zip(eqn.invars, inner.summed_inputs)
+                if s and not isinstance(v, _compat.Literal)
+            )
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        name = eqn.primitive.name
+        ins = [of(v) for v in eqn.invars]
+        outs = [OTHER] * len(eqn.outvars)
+        body = _compat.call_body(eqn)
+        if body is not None:
+            call_inputs[i] = (tuple(ins), call_summed[i])
+            outs = list(plan_statistics(body, *call_inputs[i]).out_classes)
+        elif name == "reduce_sum":
+            outs = [MOMENT]
+        elif name in _TRANSPARENT and len(ins) == 1:
+            outs = [ins[0]]
+            (source,) = eqn.invars
+            if isinstance(source, _compat.Literal):
+                pass
+            elif source in per_feature or (
+                name == "broadcast_in_dim" and _size(source) < _size(eqn.outvars[0])
+            ):
+                per_feature.add(eqn.outvars[0])
+        elif name == "rsqrt" and ins[0] != CONSTANT:
+            # Of a variance, or of a running variance at inference; but not
+            # attention's rsqrt(head_dim), a constant.
+            outs = [NORMALISER]
+        elif name == "sqrt" and ins[0] == MOMENT:
+            outs = [NORMALISER]
+        elif name in ("square", "integer_pow") and (
+            name == "square" or eqn.params.get("y") == 2
+        ):
+            outs = [MOMENT] if ins[0] == MOMENT else [OTHER]
+            if ins[0] != MOMENT:
+                squares[eqn.outvars[0]] = i
+        elif name in _ARITHMETIC:
+            outs = [_arithmetic(name, eqn, ins, per_feature, statistics, i, squares)]
+        for v, c in zip(eqn.outvars, outs):
+            cls[v] = c
+
+    statistics.update(i for v, i in squares.items() if v in summed)
+    return StatisticsPlan(
+        statistics=frozenset(statistics),
+        call_inputs=call_inputs,
+        out_classes=tuple(of(v) for v in jaxpr.outvars),
+        summed_inputs=tuple(v in summed for v in jaxpr.invars),
+    )
+
+
+def _arithmetic(name, eqn, ins, per_feature, statistics, index, squares) -> int:
+    known = [c for c in ins if c != CONSTANT]
+    if all(c == MOMENT for c in known):
+        return MOMENT if known else CONSTANT
+    if all(c in (MOMENT, NORMALISER) for c in known):
+        return NORMALISER
+    if len(ins) != 2:
+        return OTHER
+    (a, b), (va, vb) = ins, eqn.invars
+    if name == "sub" and {a, b} == {MOMENT, OTHER}:
+        statistics.add(index)  # centring: x - mean
+        return OTHER
+    if name in ("mul", "div") and NORMALISER in (a, b):
+        other_var = vb if a == NORMALISER else va
+        if name == "div" and b != NORMALISER:
+            return OTHER  # a normaliser divided by an activation: not a norm
+        statistics.add(index)
+        # rsqrt(var) * scale stays a normaliser; x * rsqrt(var) is normalised.
+        # Broadcast from fewer elements, explicitly or by lax's size-1 dims.
+        per_feature_other = isinstance(other_var, _compat.Literal) or (
+            other_var in per_feature or _size(other_var) < _size(eqn.outvars[0])
+        )
+        return NORMALISER if per_feature_other else OTHER
+    if name == "mul" and va is vb and a == OTHER:
+        squares[eqn.outvars[0]] = index  # x * x
+    return OTHER
+
