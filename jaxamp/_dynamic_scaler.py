@@ -3,12 +3,14 @@
 `dynamic_scale_grad(fun)` and `dynamic_scale_value_and_grad(fun)` behave like
 `jax.grad` / `equinox.filter_grad` (and the value-and-grad variants) of `fun`, except
 that `fun`'s output is multiplied by the current scale before differentiating, the
-results are divided by it afterwards, and the scaler state comes back adjusted:
+results are divided by it afterwards, and the scaler state comes back adjusted by
+the rule shared with the other scalers (`jaxamp._scale_schedule.next_scale`):
 
 * finite step: if ``count >= patience`` the scale is multiplied by ``adjust_factor``
-  and ``count`` restarts at 0, otherwise ``count`` goes up by one;
-* non-finite step: the scale is divided by ``adjust_factor``, ``count`` restarts at
-  0 and ``total_resets`` goes up by one.
+  (capped at ``max_scaler``, kept if the product overflows) and ``count`` restarts
+  at 0, otherwise ``count`` goes up by one;
+* non-finite step: the scale is divided by ``adjust_factor`` (but not below
+  ``min_scaler``), ``count`` restarts at 0 and ``total_resets`` goes up by one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._finite import all_finite, checked_scalar, is_inexact_leaf, select_tree
+from ._finite import all_finite, check_scale_bounds, checked_scalar, is_inexact_leaf
+from ._scale_schedule import next_scale
 
 __all__ = [
     "DynamicLossScaler",
@@ -39,15 +42,20 @@ class _Fields(NamedTuple):
     scaler: jax.Array
     count: jax.Array
     total_resets: jax.Array
+    min_scaler: jax.Array
+    max_scaler: jax.Array
 
 
 # Each field's dtype, smallest allowed value, and whether that value is allowed.
+# (`checked_scalar` also rejects inf and NaN, so `max_scaler` is finite.)
 _FIELD_RULES: dict[str, tuple[Any, float, bool]] = {
     "patience": (jnp.int32, 0, True),
     "adjust_factor": (jnp.float32, 1.0, True),
     "scaler": (jnp.float32, 0.0, False),
     "count": (jnp.int32, 0, True),
     "total_resets": (jnp.int32, 0, True),
+    "min_scaler": (jnp.float32, 0.0, False),
+    "max_scaler": (jnp.float32, 0.0, False),
 }
 
 
@@ -70,14 +78,26 @@ class DynamicScalerState(_Fields):
             scale (int32; integer input only).
         adjust_factor: the scale is multiplied by this to grow and divided by it to
             shrink (float32, ``>= 1``).
-        scaler: the current scale (float32, ``> 0``).
-        count: finite steps since the scale last changed (int32).
+        scaler: the current scale (float32, within ``[min_scaler, max_scaler]``).
+        count: finite steps in a row since the last non-finite or growth step
+            (int32); a growth step at ``max_scaler`` restarts it too.
         total_resets: how many non-finite steps were seen so far (int32).
+        min_scaler: shrinking never takes the scale below this (float32,
+            ``> 0``; default 1.0, as jmp's ``min_loss_scale``). A non-finite step
+            at this scale is not recomputed by ``redo_on_nan``: it would fail again.
+        max_scaler: growing never takes the scale above this (float32, finite,
+            ``>= min_scaler``; default ``2**24``, as NVIDIA apex's
+            ``max_loss_scale``). Growth that would overflow to inf is refused too.
+
+    The bounds exist because a scale that reaches 0 (``0 * loss``, then
+    ``0 / 0 = NaN`` gradients on every step) or inf never recovers.
 
     Raises:
         TypeError: a bool, a float for an integer field, or a non-numeric value.
         ValueError: a non-scalar, or a concrete value out of range (negative
-            counts, ``scaler <= 0``, ``adjust_factor < 1``, inf or NaN).
+            counts, ``scaler <= 0``, ``adjust_factor < 1``, ``min_scaler <= 0``,
+            ``min_scaler > max_scaler``, ``scaler`` outside
+            ``[min_scaler, max_scaler]``, inf or NaN).
     """
 
     __slots__ = ()
@@ -89,10 +109,20 @@ class DynamicScalerState(_Fields):
         scaler: Any = 2**15,
         count: Any = 0,
         total_resets: Any = 0,
+        min_scaler: Any = 1.0,
+        max_scaler: Any = 2.0**24,
     ) -> "DynamicScalerState":
-        values = (patience, adjust_factor, scaler, count, total_resets)
-        checked = (_check_field(name, value) for name, value in zip(cls._fields, values))
-        return tuple.__new__(cls, tuple(checked))
+        values = (patience, adjust_factor, scaler, count, total_resets, min_scaler, max_scaler)
+        state = tuple.__new__(
+            cls, tuple(_check_field(name, value) for name, value in zip(cls._fields, values))
+        )
+        check_scale_bounds(
+            "DynamicScalerState",
+            ("scaler", state.scaler),
+            ("min_scaler", state.min_scaler),
+            ("max_scaler", state.max_scaler),
+        )
+        return state
 
 
 def _flatten_with_keys(state: DynamicScalerState):
@@ -124,18 +154,18 @@ def _checked_state(state: Any) -> DynamicScalerState:
 
 
 def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerState:
-    grow = state.count >= state.patience
-    zero = jnp.zeros_like(state.count)
-    after_finite = state._replace(
-        scaler=jnp.where(grow, state.scaler * state.adjust_factor, state.scaler),
-        count=jnp.where(grow, zero, state.count + 1),
+    scaler, count = next_scale(
+        state.scaler,
+        state.count,
+        finite,
+        patience=state.patience,
+        growth_factor=state.adjust_factor,
+        backoff_divisor=state.adjust_factor,
+        min_scale=state.min_scaler,
+        max_scale=state.max_scaler,
     )
-    after_overflow = state._replace(
-        scaler=state.scaler / state.adjust_factor,
-        count=zero,
-        total_resets=state.total_resets + 1,
-    )
-    return select_tree(finite, after_finite, after_overflow)
+    resets = jnp.where(finite, state.total_resets, state.total_resets + 1)
+    return state._replace(scaler=scaler, count=count, total_resets=resets)
 
 
 def default_scale_fn(output: Any, state: DynamicScalerState) -> Any:
@@ -188,6 +218,9 @@ def _redo_until_finite(
 ) -> tuple[DynamicScalerState, Any]:
     """Call `evaluate` until its result is finite, at most ``redo_on_nan + 1`` times.
 
+    A non-finite attempt that could not lower the scale (it was already at
+    ``min_scaler``) ends the loop too: a retry would compute the same thing again.
+
     `evaluate` is traced once, in the loop body, so the differentiated function is
     compiled once rather than once before the loop and again inside it. The loop
     carries only the array part of the results; the rest (Python numbers or
@@ -202,14 +235,15 @@ def _redo_until_finite(
     )
 
     def keep_going(carry):
-        _, _, finite, attempts = carry
-        return (attempts == 0) | (~finite & (attempts <= redo_on_nan))
+        _, _, retry, attempts = carry
+        return (attempts == 0) | (retry & (attempts <= redo_on_nan))
 
     def attempt(carry):
         state, _, _, attempts = carry
-        finite, state, results = evaluate(state)
+        finite, next_state, results = evaluate(state)
         arrays, _ = eqx.partition(results, eqx.is_array)
-        return state, arrays, finite, attempts + 1
+        retry = ~finite & (next_state.scaler < state.scaler)
+        return next_state, arrays, retry, attempts + 1
 
     init = (state, placeholder, jnp.array(False), jnp.array(0, jnp.int32))
     state, arrays, _, _ = jax.lax.while_loop(keep_going, attempt, init)
@@ -232,6 +266,8 @@ def dynamic_scale_tx(
         redo_on_nan: how many times a non-finite step is recomputed, each time with
             the scale already reduced, before its results are returned as they are.
             The recomputation runs in a `lax.while_loop`, so it works under `jit`.
+            It also stops once the scale is at ``min_scaler``, where it cannot be
+            reduced further.
         unscale_fn: ``unscale_fn(results, state)`` undoes the scaling on the
             transform's results.
         scale_fn: ``scale_fn(output, state)`` scales the user function's output.
@@ -331,7 +367,8 @@ def dynamic_scale_grad(
             with ``has_aux=True``.
         has_aux: as in `jax.grad`.
         redo_on_nan: how many times a step with non-finite gradients is
-            recomputed with a reduced scale before it is returned as it is.
+            recomputed with a reduced scale before it is returned as it is (fewer
+            if the scale reaches ``min_scaler`` first).
         filter: differentiate with `equinox.filter_grad` (w.r.t. the inexact arrays
             of the first argument; other leaves get ``None``) if True, with
             `jax.grad` if False.
@@ -369,7 +406,8 @@ def dynamic_scale_value_and_grad(
             with ``has_aux=True``.
         has_aux: as in `jax.value_and_grad`.
         redo_on_nan: how many times a step with a non-finite value or gradients is
-            recomputed with a reduced scale before it is returned as it is.
+            recomputed with a reduced scale before it is returned as it is (fewer
+            if the scale reaches ``min_scaler`` first).
         filter: use `equinox.filter_value_and_grad` if True, `jax.value_and_grad`
             if False.
         **kwargs: passed on to the transform.

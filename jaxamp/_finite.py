@@ -5,7 +5,8 @@
 finite?" and "keep the old values or take the new ones?" here, so they agree on
 what counts as non-finite and on which leaves are looked at. `checked_scalar` is
 the one validation of user-given scales and counters (finite, in range, of the
-right kind) that the scaler states share.
+right kind) that the scaler states share, and `check_scale_bounds` the one check
+that a scale lies within its ``[min, max]`` bounds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 __all__ = [
     "all_finite",
+    "check_scale_bounds",
     "checked_scalar",
     "first_finite",
     "is_inexact_leaf",
@@ -158,3 +160,41 @@ def checked_scalar(
             bound = ">=" if inclusive else ">"
             raise ValueError(f"{what} must be finite and {bound} {lower}, got {value!r}.")
     return jnp.asarray(value, dtype=dtype)
+
+
+def check_scale_bounds(
+    what: str, scale: tuple[str, Any], lower: tuple[str, Any], upper: tuple[str, Any]
+) -> None:
+    """Check ``lower <= upper`` and ``lower <= scale <= upper``, for concrete values.
+
+    Each argument is a ``(name, value)`` pair, so the message names the fields as
+    the user knows them. The values are already validated scalars (see
+    `checked_scalar`); comparisons involving a traced value are skipped, like
+    `checked_scalar`'s range checks.
+
+    Args:
+        what: the owner, e.g. ``"DynamicScalerState"``.
+        scale: the scale's name and value.
+        lower: the lower bound's name and value.
+        upper: the upper bound's name and value.
+
+    Raises:
+        ValueError: the message names the offending values and the bounds.
+    """
+    (scale_name, s), (lower_name, lo), (upper_name, hi) = scale, lower, upper
+    s, lo, hi = map(_concrete, (s, lo, hi))
+    if lo is not None and hi is not None and not lo <= hi:
+        raise ValueError(
+            f"{what} {lower_name} must be <= {upper_name}, got {lower_name}={lo.item()!r} "
+            f"and {upper_name}={hi.item()!r}."
+        )
+    if s is not None and lo is not None and not s >= lo:
+        raise ValueError(
+            f"{what} {scale_name} must be >= {lower_name}={lo.item()!r}, got "
+            f"{s.item()!r}; lower {lower_name} if that scale is intended."
+        )
+    if s is not None and hi is not None and not s <= hi:
+        raise ValueError(
+            f"{what} {scale_name} must be <= {upper_name}={hi.item()!r}, got "
+            f"{s.item()!r}; raise {upper_name} if that scale is intended."
+        )

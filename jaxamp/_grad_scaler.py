@@ -12,7 +12,9 @@ are arrays)::
 
 The update rule is torch's: a step with inf/NaN gradients is skipped and multiplies
 the scale by ``backoff_factor``; after ``growth_interval`` finite steps in a row the
-scale is multiplied by ``growth_factor`` (unless that overflows).
+scale is multiplied by ``growth_factor`` (unless that overflows). Unlike torch, the
+scale stays within ``[min_scale, max_scale]`` (see `GradScaler`); the rule itself
+is the one all of jaxamp's scalers share (``_scale_schedule.next_scale``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._finite import all_finite, checked_scalar, first_finite, is_inexact_leaf, select_tree
+from ._finite import (
+    all_finite,
+    check_scale_bounds,
+    checked_scalar,
+    is_inexact_leaf,
+    select_tree,
+)
 from ._optax import apply_if_finite_updates
+from ._scale_schedule import next_scale
 
 __all__ = ["GradScaler"]
 
@@ -78,6 +87,27 @@ def _check_scale(name: str, value: Any) -> jax.Array:
     return checked_scalar(f"GradScaler {name}", value, jnp.float32, lower=0.0, inclusive=False)
 
 
+def _check_bounds(min_scale: Any, max_scale: Any) -> tuple[float, float]:
+    min_scale = _real_number("min_scale", min_scale)
+    max_scale = _real_number("max_scale", max_scale)
+    if not min_scale > 0.0:
+        raise ValueError(f"min_scale must be > 0.0, got {min_scale}.")
+    if not min_scale <= max_scale:
+        raise ValueError(
+            f"min_scale must be <= max_scale, got min_scale={min_scale} and "
+            f"max_scale={max_scale}."
+        )
+    return min_scale, max_scale
+
+
+def _check_scale_in_bounds(
+    name: str, scale: jax.Array, min_scale: float, max_scale: float
+) -> None:
+    check_scale_bounds(
+        "GradScaler", (name, scale), ("min_scale", min_scale), ("max_scale", max_scale)
+    )
+
+
 class GradScaler(eqx.Module):
     """Loss scaling with PyTorch ``GradScaler`` semantics, as an immutable pytree.
 
@@ -89,11 +119,22 @@ class GradScaler(eqx.Module):
         growth_interval: consecutive finite steps needed to grow; a positive int.
         enabled: if False, `scale`/`unscale` are identities, `step` always applies
             the update and `update` does nothing.
+        min_scale: backing off never takes the scale below this (positive).
+        max_scale: growing never takes the scale above this (finite,
+            ``>= min_scale``; ``2**24`` by default, NVIDIA apex's
+            ``max_loss_scale``).
+
+    torch's ``GradScaler`` has neither bound: its scale can back off to 0 in a
+    long enough run of inf/NaN steps, after which ``0 * loss`` and ``0 / 0``
+    make every step non-finite, and nothing brings it back. The bounds (and
+    `init_scale` having to lie within them) are the only difference from torch's
+    update rule.
 
     Raises:
         TypeError: a non-numeric or bool argument, a non-int growth interval, or a
             non-bool ``enabled``.
-        ValueError: an argument out of its range; the message names the value.
+        ValueError: an argument out of its range (including ``init_scale``
+            outside ``[min_scale, max_scale]``); the message names the value.
     """
 
     _scale: jax.Array
@@ -104,6 +145,8 @@ class GradScaler(eqx.Module):
     _growth_interval: int = eqx.field(static=True)
     _enabled: bool = eqx.field(static=True)
     _stage: str = eqx.field(static=True)
+    _min_scale: float = eqx.field(static=True)
+    _max_scale: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -112,6 +155,8 @@ class GradScaler(eqx.Module):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
     ):
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {enabled!r}.")
@@ -123,6 +168,8 @@ class GradScaler(eqx.Module):
         self._growth_interval = _check_growth_interval(growth_interval)
         self._enabled = enabled
         self._stage = _READY
+        self._min_scale, self._max_scale = _check_bounds(min_scale, max_scale)
+        _check_scale_in_bounds("init_scale", self._scale, self._min_scale, self._max_scale)
 
     def _replace(self, **changes: Any) -> "GradScaler":
         # Static fields can't be swapped with `eqx.tree_at`, and `__init__` takes
@@ -237,14 +284,16 @@ class GradScaler(eqx.Module):
         """The scaler for the next iteration.
 
         Without `new_scale`: after a step with inf/NaN gradients the scale is
-        multiplied by ``backoff_factor`` and the growth tracker reset; otherwise the
-        tracker counts one more finite step and, on reaching ``growth_interval``,
-        the scale is multiplied by ``growth_factor`` (kept if that overflows) and
-        the tracker reset. With `new_scale`, the scale is set to it and the tracker
-        is left alone, as in torch.
+        multiplied by ``backoff_factor`` (but not below ``min_scale``) and the
+        growth tracker reset; otherwise the tracker counts one more finite step
+        and, on reaching ``growth_interval``, the scale is multiplied by
+        ``growth_factor`` (capped at ``max_scale``, kept if the product overflows)
+        and the tracker reset. With `new_scale`, the scale is set to it and the
+        tracker is left alone, as in torch.
 
         Args:
-            new_scale: optional new scale, a float or a floating scalar array.
+            new_scale: optional new scale, a float or a floating scalar array,
+                within ``[min_scale, max_scale]`` (checked unless traced).
 
         Returns:
             A new `GradScaler`, ready for the next `unscale`/`step`.
@@ -258,21 +307,24 @@ class GradScaler(eqx.Module):
             return self
         ready = dict(_found_inf=jnp.array(False), _stage=_READY)
         if new_scale is not None:
-            return self._replace(_scale=_check_scale("new_scale", new_scale), **ready)
+            scale = _check_scale("new_scale", new_scale)
+            _check_scale_in_bounds("new_scale", scale, self._min_scale, self._max_scale)
+            return self._replace(_scale=scale, **ready)
         if self._stage == _READY:
             raise RuntimeError(
                 "No inf checks were recorded prior to update(); call step() or unscale() first."
             )
-        found_inf = self._found_inf
-        successful = self._growth_tracker + 1
-        grow = jnp.logical_and(jnp.logical_not(found_inf), successful >= self._growth_interval)
-        grown = first_finite(self._scale * self._growth_factor, self._scale)
-        scale = jnp.where(
-            found_inf,
-            self._scale * self._backoff_factor,
-            jnp.where(grow, grown, self._scale),
+        # torch grows when `growth_tracker + 1 >= growth_interval`.
+        scale, tracker = next_scale(
+            self._scale,
+            self._growth_tracker,
+            jnp.logical_not(self._found_inf),
+            patience=self._growth_interval - 1,
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
         )
-        tracker = jnp.where(found_inf | grow, jnp.zeros_like(successful), successful)
         return self._replace(_scale=scale, _growth_tracker=tracker, **ready)
 
     @property
@@ -320,8 +372,9 @@ class GradScaler(eqx.Module):
         """The scaler's state as Python numbers, for checkpoints (host side only).
 
         Returns:
-            ``{"scale", "growth_factor", "backoff_factor", "growth_interval",
-            "_growth_tracker"}``, or ``{}`` when disabled. Take it after `update`.
+            torch's five entries ``{"scale", "growth_factor", "backoff_factor",
+            "growth_interval", "_growth_tracker"}`` plus ``"min_scale"`` and
+            ``"max_scale"``, or ``{}`` when disabled. Take it after `update`.
         """
         if not self._enabled:
             return {}
@@ -331,15 +384,21 @@ class GradScaler(eqx.Module):
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
             "_growth_tracker": int(self._growth_tracker),
+            "min_scale": self._min_scale,
+            "max_scale": self._max_scale,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> "GradScaler":
         """A scaler with the state from `state_dict` (returns `self` when disabled).
 
+        A torch state dict has no ``"min_scale"``/``"max_scale"``; this scaler's
+        own bounds are kept then.
+
         Raises:
             RuntimeError: for an empty dict (saved from a disabled scaler).
-            KeyError: if an entry is missing.
-            TypeError, ValueError: for invalid values.
+            KeyError: if one of torch's five entries is missing.
+            TypeError, ValueError: for invalid values, including a ``"scale"``
+                outside the bounds (construct the scaler with wider ones).
         """
         if not self._enabled:
             return self
@@ -355,12 +414,20 @@ class GradScaler(eqx.Module):
         tracker = checked_scalar(
             "GradScaler _growth_tracker", state_dict["_growth_tracker"], jnp.int32, lower=0
         )
+        min_scale, max_scale = _check_bounds(
+            state_dict.get("min_scale", self._min_scale),
+            state_dict.get("max_scale", self._max_scale),
+        )
+        scale = _check_scale("scale", state_dict["scale"])
+        _check_scale_in_bounds("scale", scale, min_scale, max_scale)
         return self._replace(
-            _scale=_check_scale("scale", state_dict["scale"]),
+            _scale=scale,
             _growth_tracker=tracker,
             _found_inf=jnp.array(False),
             _growth_factor=_check_growth_factor(state_dict["growth_factor"]),
             _backoff_factor=_check_backoff_factor(state_dict["backoff_factor"]),
             _growth_interval=_check_growth_interval(state_dict["growth_interval"]),
             _stage=_READY,
+            _min_scale=min_scale,
+            _max_scale=max_scale,
         )

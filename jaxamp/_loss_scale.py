@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._finite import first_finite
+from ._scale_schedule import next_scale
 
 __all__ = [
     "DynamicLossScale",
@@ -143,6 +143,12 @@ class DynamicLossScale:
             counter = 0
             loss_scale = max(min_loss_scale, loss_scale / factor)
 
+    This is the rule all of jaxamp's scalers share (``_scale_schedule.next_scale``,
+    with ``patience = period - 1`` and no upper bound but float32's range). For the
+    counters `adjust` produces, ``0 <= counter < period``, it is jmp's exactly; a
+    counter constructed at ``period`` or above grows the scale on the next finite
+    step, where jmp would wrap it around without growing.
+
     Typical use::
 
         loss_scale = jaxamp.DynamicLossScale(jnp.float32(2**15))
@@ -195,18 +201,25 @@ class DynamicLossScale:
 
         Raises:
             AssertionError: if `grads_finite` is not a scalar.
+            TypeError: if it is a scalar but not boolean.
         """
         assert grads_finite.ndim == 0, "Expected boolean scalar"
-        grown = jax.lax.select(
-            self.counter == (self.period - 1),
-            first_finite(self.loss_scale * self.factor, self.loss_scale),
+        # jmp grows on the `period`-th finite step in a row: after `period - 1`
+        # finite steps that did not grow. jmp has no upper bound; growth that
+        # would overflow to inf is refused, as in jmp.
+        loss_scale, counter = next_scale(
             self.loss_scale,
+            self.counter,
+            grads_finite,
+            patience=self.period - 1,
+            growth_factor=self.factor,
+            backoff_divisor=self.factor,
+            min_scale=self.min_loss_scale,
+            max_scale=jnp.inf,
         )
-        shrunk = jnp.maximum(self.min_loss_scale, self.loss_scale / self.factor)
         return DynamicLossScale(
-            loss_scale=jax.lax.select(grads_finite, grown, shrunk),
-            # Multiplying by the predicate zeroes the counter on a non-finite step.
-            counter=((self.counter + 1) % self.period) * grads_finite,
+            loss_scale=loss_scale,
+            counter=counter,
             period=self.period,
             factor=self.factor,
             min_loss_scale=self.min_loss_scale,

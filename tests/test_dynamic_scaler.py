@@ -107,6 +107,61 @@ def test_full_growth_cycle_with_patience_two(flagged_grad):
     assert seen == [(1, 1), (1, 2), (2, 0), (2, 1), (1, 0), (1, 1)]
 
 
+def test_shrinking_stops_at_min_scaler(flagged_grad):
+    state = DynamicScalerState(scaler=4.0)
+    seen = []
+    for _ in range(5):
+        state, _ = _step(flagged_grad, state, True)
+        seen.append((float(state.scaler), int(state.total_resets)))
+    # Unbounded, this went on 0.5, 0.25, ... and 2**-150 rounds to 0.0.
+    assert seen == [(2.0, 1), (1.0, 2), (1.0, 3), (1.0, 4), (1.0, 5)]
+    state, grads = _step(flagged_grad, state, False)
+    assert (float(state.scaler), int(state.count)) == (1.0, 1)
+    np.testing.assert_array_equal(grads, [2.0, 4.0])
+
+
+def test_custom_min_scaler_and_factor(flagged_grad):
+    start = DynamicScalerState(scaler=1.0, adjust_factor=3.0, min_scaler=0.25)
+    state, _ = _step(flagged_grad, start, True)
+    assert float(state.scaler) == np.float32(1.0) / np.float32(3.0)
+    state, _ = _step(flagged_grad, state, True)
+    assert float(state.scaler) == 0.25 and float(state.min_scaler) == 0.25
+
+
+def test_growth_stops_at_max_scaler(flagged_grad):
+    state = DynamicScalerState(scaler=2.0**22, patience=0)
+    seen = []
+    for _ in range(4):
+        state, _ = _step(flagged_grad, state, False)
+        seen.append((float(state.scaler), int(state.count)))
+    assert seen == [(2.0**23, 0), (2.0**24, 0), (2.0**24, 0), (2.0**24, 0)]
+    # A scale between max / adjust_factor and max is capped, not left behind.
+    state, _ = _step(flagged_grad, DynamicScalerState(scaler=3 * 2.0**22, patience=0), False)
+    assert float(state.scaler) == 2.0**24
+
+
+def test_growth_that_would_overflow_is_refused():
+    big = float(np.finfo(np.float32).max) * 0.75
+    f32_max = float(np.finfo(np.float32).max)
+    fn = jax.jit(dynamic_scale_grad(lambda x: x * 1e-30, redo_on_nan=3))
+    state = DynamicScalerState(scaler=big, patience=0, max_scaler=f32_max)
+    for _ in range(3):
+        state, grad = fn(jnp.float32(1.0), dynamic_scaler_state=state)
+        assert float(state.scaler) == np.float32(big) and int(state.count) == 0
+        assert float(grad) == pytest.approx(1e-30)
+
+
+def test_redo_gives_up_at_min_scaler():
+    fn = jax.jit(dynamic_scale_value_and_grad(lambda x: x * jnp.nan, redo_on_nan=10))
+    state, (value, _) = fn(jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState(scaler=4.0))
+    # Attempts at 4, 2 and 1; a fourth at 1 would fail the same way.
+    assert float(state.scaler) == 1.0 and int(state.total_resets) == 3
+    assert np.isnan(value)
+    state, (value, _) = fn(jnp.float32(1.0), dynamic_scaler_state=state)
+    assert float(state.scaler) == 1.0 and int(state.total_resets) == 4
+    assert np.isnan(value)
+
+
 def test_redo_gives_up_after_redo_on_nan_retries():
     fn = jax.jit(dynamic_scale_value_and_grad(lambda x: x * jnp.nan, redo_on_nan=3))
     start = DynamicScalerState(scaler=2.0**10)
@@ -235,13 +290,23 @@ def test_dynamic_scale_tx_with_a_custom_transform():
 def test_state_normalises_python_numbers():
     state = DynamicScalerState(patience=10, adjust_factor=3, scaler=2**15, count=np.int64(2))
     dtypes = [leaf.dtype for leaf in state]
-    assert dtypes == [jnp.int32, jnp.float32, jnp.float32, jnp.int32, jnp.int32]
+    assert dtypes == [jnp.int32, jnp.float32, jnp.float32, jnp.int32, jnp.int32] + [jnp.float32] * 2
     assert all(leaf.shape == () for leaf in state)
     assert float(state.scaler) == 2**15 and int(state.count) == 2
     default = DynamicScalerState()
     assert int(default.patience) == 2000 and float(default.adjust_factor) == 2.0
     assert float(default.scaler) == 2**15 and int(default.total_resets) == 0
+    assert float(default.min_scaler) == 1.0 and float(default.max_scaler) == 2.0**24
     assert jaxamp.DynamicLossScaler is DynamicScalerState
+
+
+def test_seed_fields_keep_their_positions_and_defaults():
+    # The original jaxamp's four fields, in order, positionally; bounds trail.
+    state = DynamicScalerState(7, 4.0, 2.0**10, 3)
+    assert state._fields[:4] == ("patience", "adjust_factor", "scaler", "count")
+    assert state._fields[4:] == ("total_resets", "min_scaler", "max_scaler")
+    assert (int(state.patience), float(state.adjust_factor)) == (7, 4.0)
+    assert (float(state.scaler), int(state.count)) == (2.0**10, 3)
 
 
 @pytest.mark.parametrize(
@@ -256,6 +321,21 @@ def test_state_normalises_python_numbers():
         (dict(adjust_factor=0.5), ValueError, "adjust_factor.*0.5"),
         (dict(patience=-1), ValueError, "patience.*-1"),
         (dict(scaler=jnp.ones(2)), ValueError, "scaler.*shape"),
+        (dict(min_scaler=0.0), ValueError, "min_scaler must be finite and > 0.0, got 0.0"),
+        (dict(min_scaler=jnp.int32(1)), TypeError, "min_scaler.*int32"),
+        (dict(max_scaler=True), TypeError, "max_scaler.*True"),
+        (dict(max_scaler=float("inf")), ValueError, "max_scaler must be finite.*inf"),
+        (
+            dict(scaler=2.0, min_scaler=4.0, max_scaler=2.0),
+            ValueError,
+            "min_scaler must be <= max_scaler, got min_scaler=4.0 and max_scaler=2.0",
+        ),
+        (
+            dict(scaler=2.0**25),
+            ValueError,
+            "scaler must be <= max_scaler=16777216.0, got 33554432.0",
+        ),
+        (dict(scaler=0.5), ValueError, "scaler must be >= min_scaler=1.0, got 0.5"),
     ],
 )
 def test_state_rejects_bad_fields(kwargs, error, match):
@@ -263,12 +343,35 @@ def test_state_rejects_bad_fields(kwargs, error, match):
         DynamicScalerState(**kwargs)
 
 
+def test_custom_bounds_admit_scales_outside_the_defaults():
+    state = DynamicScalerState(scaler=2.0**-4, min_scaler=2.0**-8, max_scaler=2.0**30)
+    assert float(state.scaler) == 2.0**-4 and float(state.max_scaler) == 2.0**30
+    # Traced values cannot be compared, so only their dtypes and shapes are checked.
+    traced = jax.jit(lambda s: DynamicScalerState(scaler=s).scaler)(jnp.float32(2.0**30))
+    assert float(traced) == 2.0**30
+
+
+def test_a_state_edited_out_of_its_bounds_is_rejected_when_used():
+    fn = dynamic_scale_grad(lambda x: x**2)
+    state = DynamicScalerState()._replace(scaler=jnp.float32(0.5))
+    with pytest.raises(ValueError, match="scaler must be >= min_scaler=1.0, got 0.5"):
+        fn(jnp.float32(1.0), dynamic_scaler_state=state)
+
+
 def test_state_is_a_namedtuple_pytree():
     state = DynamicScalerState(patience=4)
-    assert isinstance(state, tuple) and state._fields[-1] == "total_resets"
+    assert isinstance(state, tuple) and state._fields[-1] == "max_scaler"
     assert type(state._replace(count=jnp.int32(1))) is DynamicScalerState
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
-    assert paths == [".patience", ".adjust_factor", ".scaler", ".count", ".total_resets"]
+    assert paths == [
+        ".patience",
+        ".adjust_factor",
+        ".scaler",
+        ".count",
+        ".total_resets",
+        ".min_scaler",
+        ".max_scaler",
+    ]
     # Rebuilding with non-numeric leaves (filter specs, vmap axes) must not validate.
     assert jax.tree_util.tree_map(lambda _: True, state).count is True
     assert jax.tree_util.tree_map(lambda _: 0, state).scaler == 0

@@ -83,8 +83,9 @@ def test_step_after_explicit_unscale_does_not_unscale_again():
 
 
 def test_growth_never_overflows_the_scale():
-    big = float(np.finfo(np.float32).max) * 0.75
-    scaler = GradScaler(init_scale=big, growth_interval=1)
+    f32_max = float(np.finfo(np.float32).max)
+    big = f32_max * 0.75
+    scaler = GradScaler(init_scale=big, growth_interval=1, max_scale=f32_max)
     params, opt_state = _params(), SGD.init(_params())
     grads = jax.tree_util.tree_map(jnp.zeros_like, params)
     params, opt_state, scaler = scaler.step(SGD, grads, opt_state, params)
@@ -157,6 +158,8 @@ def test_state_dict_round_trip():
         "backoff_factor": 0.25,
         "growth_interval": 4,
         "_growth_tracker": 1,
+        "min_scale": 1.0,
+        "max_scale": 2.0**24,
     }
     assert type(state["scale"]) is float and type(state["_growth_tracker"]) is int
     restored = GradScaler().load_state_dict(state)
@@ -168,6 +171,72 @@ def test_state_dict_round_trip():
         GradScaler().load_state_dict({k: v for k, v in state.items() if k != "_growth_tracker"})
     with pytest.raises(ValueError, match="growth_factor"):
         GradScaler().load_state_dict({**state, "growth_factor": 0.5})
+
+
+def test_backoff_stops_at_min_scale():
+    scaler = GradScaler(init_scale=4.0)
+    params, opt_state = _params(), SGD.init(_params())
+    seen = []
+    for _ in range(4):
+        params, opt_state, scaler = _iteration(scaler, params, opt_state, bad=True)
+        seen.append(scaler.get_scale())
+    # torch would go on to 0.5, 0.25, ... and, 150 steps later, 0.0 for good.
+    assert seen == [2.0, 1.0, 1.0, 1.0]
+    before = _bits(params)
+    params, opt_state, scaler = _iteration(scaler, params, opt_state)
+    assert _bits(params) != before and scaler.state_dict()["_growth_tracker"] == 1
+
+
+def test_growth_stops_at_max_scale():
+    scaler = GradScaler(init_scale=2.0**22, growth_interval=1)
+    params, opt_state = _params(), SGD.init(_params())
+    seen = []
+    for _ in range(4):
+        params, opt_state, scaler = _iteration(scaler, params, opt_state)
+        seen.append(scaler.get_scale())
+    assert seen == [2.0**23, 2.0**24, 2.0**24, 2.0**24]
+
+
+def test_custom_bounds_and_non_power_of_two_factors():
+    scaler = GradScaler(
+        init_scale=10.0, growth_factor=3.0, backoff_factor=0.3, growth_interval=1,
+        min_scale=2.0, max_scale=50.0,
+    )
+    params, opt_state = _params(), SGD.init(_params())
+    seen = []
+    for bad in [False, False, True, True, True]:
+        params, opt_state, scaler = _iteration(scaler, params, opt_state, bad=bad)
+        seen.append(scaler.get_scale())
+    # Growth capped at 50; backoff multiplies in float32, as torch, down to 2.
+    once = np.float32(50.0) * np.float32(0.3)
+    assert seen == [30.0, 50.0, float(once), float(once * np.float32(0.3)), 2.0]
+
+
+def test_load_state_dict_takes_a_torch_dict_and_keeps_own_bounds():
+    torch_state = {
+        "scale": 1024.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 100,
+        "_growth_tracker": 7,
+    }
+    restored = GradScaler(min_scale=4.0, max_scale=2.0**20).load_state_dict(torch_state)
+    assert restored.state_dict() == {**torch_state, "min_scale": 4.0, "max_scale": 2.0**20}
+    ours = GradScaler(init_scale=8.0, min_scale=8.0, max_scale=64.0).state_dict()
+    assert GradScaler().load_state_dict(ours).state_dict() == ours
+    with pytest.raises(ValueError, match="scale must be <= max_scale=1048576.0, got 2097152.0"):
+        GradScaler(max_scale=2.0**20).load_state_dict({**torch_state, "scale": 2.0**21})
+    with pytest.raises(ValueError, match="min_scale must be <= max_scale"):
+        GradScaler().load_state_dict({**ours, "min_scale": 128.0})
+
+
+def test_update_rejects_a_new_scale_outside_the_bounds():
+    scaler = GradScaler(init_scale=4.0, min_scale=2.0, max_scale=2.0**10)
+    with pytest.raises(ValueError, match="new_scale must be >= min_scale=2.0, got 1.0"):
+        scaler.update(1.0)
+    with pytest.raises(ValueError, match="new_scale must be <= max_scale=1024.0, got 2048.0"):
+        scaler.update(2048.0)
+    assert scaler.update(2.0).get_scale() == 2.0
 
 
 def test_disabled_scaler_is_a_pass_through():
@@ -209,6 +278,16 @@ def test_setters_return_new_scalers_and_validate():
         (dict(init_scale=-1.0), ValueError, "init_scale.*-1.0"),
         (dict(init_scale=float("inf")), ValueError, "init_scale.*inf"),
         (dict(enabled="yes"), TypeError, "enabled.*yes"),
+        (dict(min_scale=0.0), ValueError, "min_scale must be > 0.0, got 0.0"),
+        (dict(min_scale="1"), TypeError, "min_scale.*'1'"),
+        (dict(max_scale=float("inf")), ValueError, "max_scale must be finite, got inf"),
+        (
+            dict(init_scale=8.0, min_scale=16.0, max_scale=4.0),
+            ValueError,
+            "min_scale must be <= max_scale, got min_scale=16.0 and max_scale=4.0",
+        ),
+        (dict(init_scale=2.0**25), ValueError, "init_scale must be <= max_scale=16777216.0"),
+        (dict(init_scale=0.5), ValueError, "init_scale must be >= min_scale=1.0, got 0.5"),
     ],
 )
 def test_constructor_validates_arguments(kwargs, error, match):

@@ -56,6 +56,31 @@ def test_dynamic_loss_scale_does_not_grow_into_inf():
     assert float(scale.loss_scale) == float(big)
 
 
+def test_dynamic_loss_scale_bounds_apply_only_when_the_scale_moves():
+    # As in jmp: a scale below min_loss_scale is kept while steps are finite,
+    # and a non-finite step lifts it to the minimum.
+    scale = jaxamp.DynamicLossScale(jnp.float32(0.5), period=3)
+    scale = scale.adjust(jnp.bool_(True))
+    assert (float(scale.loss_scale), int(scale.counter)) == (0.5, 1)
+    scale = scale.adjust(jnp.bool_(False))
+    assert (float(scale.loss_scale), int(scale.counter)) == (1.0, 0)
+
+
+def test_dynamic_loss_scale_counter_keeps_its_dtype():
+    # jmp's `counter % period * finite` made a float32 counter out of a float
+    # period; an int32 counter can be carried through `lax.scan` unchanged.
+    scale = jaxamp.DynamicLossScale(jnp.float32(4), period=2.0)
+    for finite, expected in [(True, 1), (True, 0), (False, 0), (True, 1)]:
+        scale = scale.adjust(jnp.bool_(finite))
+        assert scale.counter.dtype == jnp.int32 and int(scale.counter) == expected
+    assert float(scale.loss_scale) == 4.0
+
+
+def test_dynamic_loss_scale_adjust_rejects_a_non_boolean_flag():
+    with pytest.raises(TypeError, match="boolean scalar.*float32"):
+        jaxamp.DynamicLossScale(jnp.float32(2)).adjust(jnp.float32(1.0))
+
+
 def test_dynamic_loss_scale_adjust_requires_a_scalar():
     with pytest.raises(AssertionError, match="Expected boolean scalar"):
         jaxamp.DynamicLossScale(jnp.float32(2)).adjust(jnp.array([True]))
