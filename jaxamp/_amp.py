@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _higher_order  # noqa: F401  (_higher_order registers the handlers)
+from . import _compat, _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
 from ._dtypes import canonical_compute_dtype
 from ._interpreter import AmpContext, interpret
 from ._casting import cast_value
@@ -100,7 +100,7 @@ class AmpOptions:
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""
-        closed, flat_args, rebuild = _trace(fn, args, kwargs)
+        closed, flat_args, num_outs, rebuild = _trace(fn, args, kwargs)
         ctx = AmpContext(
             compute_dtype=self.compute_dtype,
             policy=freeze(self.table),
@@ -112,7 +112,9 @@ class AmpOptions:
         outs = interpret(closed.jaxpr, closed.consts, flat_args, ctx)
         outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
         if self.output_dtype is not None:
-            outs = [cast_value(x, self.output_dtype) for x in outs]
+            # fn's own outputs only: state written back into flax nnx arguments
+            # keeps its dtypes.
+            outs[:num_outs] = [cast_value(x, self.output_dtype) for x in outs[:num_outs]]
         # Re-emitted straight into the caller's trace (grad, vmap, an outer jit),
         # like the user's own code: calls keep their jaxprs (see
         # `_compat.trace_keeping_calls`), so JAX differentiates each distinct
@@ -166,7 +168,18 @@ def _check_policy_table(table: Any) -> Mapping[Any, Callable]:
 
 
 def _trace(fn: Callable, args: tuple, kwargs: dict):
-    """Trace `fn` with array leaves as inputs; return the jaxpr and how to rebuild outputs."""
+    """Trace `fn` with the array leaves of its arguments as inputs.
+
+    Returns:
+        ``(closed, flat_args, num_outs, rebuild)``: the jaxpr; its inputs; how
+        many of its leading outputs are `fn`'s own (the rest are the state that
+        `fn` changed in flax nnx objects among its arguments, see `_nnx`); and
+        ``rebuild(outs)``, which builds `fn`'s output from the evaluated outputs
+        and writes that state back into the caller's objects.
+    """
+    nnx_call = _nnx.lift(fn, args, kwargs)
+    if nnx_call is not None:
+        fn, args, kwargs = nnx_call.fn, nnx_call.args, nnx_call.kwargs
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     flat_args, in_tree = jax.tree_util.tree_flatten(dynamic)
     out_info: list = []
@@ -181,10 +194,14 @@ def _trace(fn: Callable, args: tuple, kwargs: dict):
 
     in_avals = [_compat.abstract_value(x) for x in flat_args]
     closed = _compat.trace_keeping_calls(flat_fn, in_avals)
+    out_tree = out_info[0]
+    # The nnx call returns ``(out, state updates)``: out's leaves come first.
+    num_outs = out_tree.num_leaves if nnx_call is None else out_tree.children()[0].num_leaves
 
     def rebuild(outs):
         out_tree, out_static = out_info
-        return eqx.combine(jax.tree_util.tree_unflatten(out_tree, outs), out_static)
+        out = eqx.combine(jax.tree_util.tree_unflatten(out_tree, outs), out_static)
+        return out if nnx_call is None else nnx_call.finish(out)
 
-    return closed, flat_args, rebuild
+    return closed, flat_args, num_outs, rebuild
 

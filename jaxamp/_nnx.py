@@ -1,0 +1,282 @@
+"""flax nnx objects among amp's arguments: carry their state updates out of the trace.
+
+flax nnx's idiom is a function that mutates the module it is given: BatchNorm
+updates its running statistics, Dropout advances its `nnx.Rngs` counter. amp
+traces the function and evaluates the trace, so those mutations would land on
+copies that exist only while tracing (nnx objects are pytrees in flax 0.12, and
+amp rebuilds its arguments from their leaves) and be lost. As `nnx.jit` does,
+amp splits the nnx objects among the arguments into a graph definition (static)
+and their state (traced), merges fresh copies inside the trace, returns the
+state the function changed as extra outputs, and writes it back into the
+caller's objects with `nnx.update` once the trace is evaluated.
+
+flax stays optional: nothing here runs, and flax is never imported, unless the
+program has already imported `flax.nnx` (without it no nnx object can exist).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from . import _compat
+
+__all__ = ["GraphCall", "lift"]
+
+
+def lift(fn: Callable, args: tuple, kwargs: dict) -> GraphCall | None:
+    """Prepare ``fn(*args, **kwargs)`` for amp's trace when flax nnx may take part.
+
+    Args:
+        fn: the function amp wraps; an nnx Module (``amp(model)(x)``) or a bound
+            method of one (``amp(model.loss)(x)``) counts as an argument too.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        None when the program has not imported `flax.nnx`; otherwise the
+        `GraphCall` whose ``fn``, ``args`` and ``kwargs`` amp traces instead,
+        also when no nnx object is among them: fn may still mutate one it closes
+        over (the `GraphCall` explains that error) or return new ones.
+    """
+    if "flax.nnx" not in sys.modules:
+        return None
+    return GraphCall(fn, args, kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Argument:
+    """Stands in (a static leaf) for the `index`-th nnx object of the call."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Existing:
+    """An output that is an argument's nnx object, or one inside it, at graph `path`."""
+
+    path: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Created:
+    """An output that is the `index`-th nnx object `fn` created and returned."""
+
+    index: int
+
+
+def _is_marker(x: Any) -> bool:
+    return isinstance(x, (_Argument, _Existing, _Created))
+
+
+class GraphCall:
+    """``fn(*args, **kwargs)`` with the nnx objects among fn and its arguments split out.
+
+    amp traces ``self.fn(*self.args, **self.kwargs)``: its first argument is the
+    state of those objects (split together, so objects sharing a Variable keep
+    sharing it), and the objects themselves are replaced by static markers. It
+    returns ``(out, (updates, created))``: `fn`'s output, the state leaves `fn`
+    changed and the state of nnx objects `fn` created and returned. After amp
+    evaluates the trace, `finish` writes the updates into the caller's objects.
+    A `GraphCall` serves one amp call: tracing records what `finish` needs.
+    """
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        from flax import errors, nnx
+
+        self._nnx = nnx
+        self._trace_context_error = errors.TraceContextError
+        # amp(model)(x) and amp(model.loss)(x): the module is an argument too.
+        nodes: list = []
+        self._names: list[str] = []
+        bound = None
+        if _compat.nnx_is_object(fn):
+            nodes, self._names, fn = [fn], ["fn"], _call_object
+            bound = _Argument(0)
+        elif inspect.ismethod(fn) and _compat.nnx_is_object(fn.__self__):
+            nodes, self._names, fn = [fn.__self__], ["fn.__self__"], fn.__func__
+            bound = _Argument(0)
+        self._fn = fn
+
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(
+            (args, kwargs), is_leaf=_compat.nnx_is_object
+        )
+        marked = []
+        for keypath, leaf in leaves:
+            if _compat.nnx_is_object(leaf):
+                self._names.append(_argument_name(keypath))
+                marked.append(_Argument(len(nodes)))
+                nodes.append(leaf)
+            else:
+                marked.append(leaf)
+        args, self.kwargs = jax.tree_util.tree_unflatten(treedef, marked)
+        self._nodes = tuple(nodes)
+        self._graphdef, state = _compat.nnx_split(self._nodes)
+        self.args = (state, *(() if bound is None else (bound,)), *args)
+        # Recorded while tracing, for `finish`.
+        self._changed_paths: list[tuple] = []
+        self._created_graphdef: Any = None
+
+    def fn(self, state: Any, *args: Any, **kwargs: Any) -> tuple[Any, tuple[list, Any]]:
+        """Run `fn` on copies of the nnx objects merged from `state` (inside amp's trace).
+
+        Raises:
+            ValueError: `fn` changed the objects' structure, or returned a new
+                nnx object that holds parts of its arguments' objects.
+            flax.errors.TraceContextError: `fn` mutated an nnx object it reached
+                other than through its arguments (a closure, say).
+        """
+        copies = self._nnx.merge(self._graphdef, state)
+        args, kwargs = _replace_markers((args, kwargs), lambda m: copies[m.index])
+        _, before = _compat.nnx_flatten(copies)
+        before_values = [_compat.nnx_raw_value(leaf) for _, leaf in before]
+        try:
+            out = self._fn(*args, **kwargs)
+        except self._trace_context_error as err:
+            raise type(err)(
+                f"{err} -- amp(fn) traces fn, so fn cannot mutate nnx objects that "
+                "exist outside the trace, such as a module fn closes over or reaches "
+                "through functools.partial or a container that is not a JAX pytree. "
+                "Pass the module (and nnx.Rngs) to the amp'd function as an argument "
+                "instead: amp(loss)(model, x), not amp(lambda x: loss(model, x))(x). "
+                "amp carries the state of nnx objects among its arguments back out."
+            ) from err
+        graphdef, after = _compat.nnx_flatten(copies)
+        if graphdef != self._graphdef:
+            raise self._structure_error(before.paths, after.paths)
+        # A value fn did not replace is the very object merged in: nnx.jit's test.
+        changed = [
+            (path, leaf)
+            for (path, leaf), old in zip(after, before_values)
+            if _compat.nnx_raw_value(leaf) is not old
+        ]
+        self._changed_paths = [path for path, _ in changed]
+        out, created = self._export(out, copies)
+        return out, ([leaf for _, leaf in changed], created)
+
+    def finish(self, result: tuple[Any, tuple[list, Any]]) -> Any:
+        """Write the evaluated updates into the caller's objects; return `fn`'s output.
+
+        Args:
+            result: the evaluated ``(out, (updates, created))`` of `fn` (the
+                method), its values in the dtypes `fn` itself produced.
+
+        Returns:
+            `fn`'s output, the nnx objects in it resolved: the caller's own objects
+            where `fn` returned (parts of) its arguments, new ones where it
+            created them.
+
+        Raises:
+            flax.errors.TraceContextError: a changed Variable belongs to an outer
+                JAX trace (as calling `fn` itself there would raise).
+        """
+        out, (updates, created) = result
+        nnx = self._nnx
+        if updates:
+            nnx.update(self._nodes, nnx.from_flat_state(list(zip(self._changed_paths, updates))))
+        if not any(_is_marker(leaf) for leaf in jax.tree_util.tree_leaves(out)):
+            return out
+        by_path = dict(_compat.nnx_iter_graph(self._nodes))
+        new = nnx.merge(self._created_graphdef, created) if created is not None else ()
+        return _replace_markers(
+            out, lambda m: by_path[m.path] if isinstance(m, _Existing) else new[m.index]
+        )
+
+    def _export(self, out: Any, copies: tuple) -> tuple[Any, Any]:
+        # nnx objects in fn's output: those of the arguments (or inside them) come
+        # back as the caller's own objects; new ones are split so their state
+        # crosses the trace boundary, and merged again in `finish`.
+        leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=_compat.nnx_is_object)
+        if not any(_compat.nnx_is_object(leaf) for leaf in leaves):
+            return out, None
+        paths = {
+            id(node): path
+            for path, node in _compat.nnx_iter_graph(copies)
+            if _compat.nnx_is_object(node)
+        }
+        created = list(
+            {
+                id(leaf): leaf
+                for leaf in leaves
+                if _compat.nnx_is_object(leaf) and id(leaf) not in paths
+            }.values()
+        )
+        shared = {
+            paths[id(node)]
+            for _, node in _compat.nnx_iter_graph(tuple(created))
+            if id(node) in paths
+        }
+        if shared:
+            # Name a shared submodule, not each of its Variables as well.
+            outermost = sorted(
+                self._format_path(path)
+                for path in shared
+                if not any(path[:k] in shared for k in range(1, len(path)))
+            )
+            raise ValueError(
+                f"amp(fn): fn returned a new nnx object holding {', '.join(outermost)} of "
+                "its arguments; amp can return new nnx objects and the argument objects "
+                "themselves, but not new objects that share parts with the arguments. "
+                "Return the argument's parts separately and assemble the new object "
+                "outside the amp'd function."
+            )
+        created_state = None
+        if created:
+            self._created_graphdef, created_state = _compat.nnx_split(tuple(created))
+        index = {id(obj): i for i, obj in enumerate(created)}
+        marked = [
+            leaf
+            if not _compat.nnx_is_object(leaf)
+            else _Existing(paths[id(leaf)])
+            if id(leaf) in paths
+            else _Created(index[id(leaf)])
+            for leaf in leaves
+        ]
+        return jax.tree_util.tree_unflatten(treedef, marked), created_state
+
+    def _structure_error(self, before: tuple, after: tuple) -> ValueError:
+        before_set, after_set = set(before), set(after)
+        added = [self._format_path(p) for p in after if p not in before_set]
+        removed = [self._format_path(p) for p in before if p not in after_set]
+        what = "; ".join(
+            f"{label} {', '.join(paths)}"
+            for label, paths in (("added", added), ("removed", removed))
+            if paths
+        ) or "changed a static attribute or a Variable's metadata"
+        return ValueError(
+            f"amp(fn): fn changed the structure of the flax nnx objects passed to it "
+            f"({what}). amp runs fn on copies of them inside its trace and carries "
+            "back the new values of their existing Variables and array attributes "
+            "only. Create such attributes before calling the amp'd function (in "
+            "__init__, say, with a placeholder value fn then overwrites), or return "
+            "the new values from fn instead of attaching them to the module (as "
+            "Module.sow does)."
+        )
+
+    def _format_path(self, path: tuple) -> str:
+        # Graph paths start at the index of the object among the call's nnx objects.
+        index, *rest = path
+        return self._names[index] + "".join(
+            f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in rest
+        )
+
+
+def _call_object(obj: Any, *args: Any, **kwargs: Any) -> Any:
+    return obj(*args, **kwargs)
+
+
+def _argument_name(keypath: tuple) -> str:
+    # Key paths of ``(args, kwargs)``: the first key picks the group.
+    group, *rest = keypath
+    return ("args" if group.idx == 0 else "kwargs") + jax.tree_util.keystr(tuple(rest))
+
+
+def _replace_markers(tree: Any, resolve: Callable[[Any], Any]) -> Any:
+    return jax.tree_util.tree_map(
+        lambda leaf: resolve(leaf) if _is_marker(leaf) else leaf, tree, is_leaf=_is_marker
+    )
