@@ -19,7 +19,7 @@ import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex_core
@@ -33,6 +33,7 @@ from jax._src.state.types import AbstractRef as _AbstractRef
 
 __all__ = [
     "BWD_RETURNS_LOGS",
+    "CatalogueOp",
     "ClosedJaxpr",
     "CustomVJPException",
     "DropVar",
@@ -62,6 +63,7 @@ __all__ = [
     "is_zero",
     "jaxpr_as_fun",
     "jit_p",
+    "lax_op_catalogue",
     "lax_primitives_by_name",
     "legacy_context_mesh",
     "nnx_flatten",
@@ -70,6 +72,7 @@ __all__ = [
     "nnx_raw_value",
     "nnx_split",
     "pack_bwd_result",
+    "primitives_by_name",
     "remat_p",
     "saved_residuals",
     "scan_layout",
@@ -451,30 +454,143 @@ def call_body(eqn: JaxprEqn) -> Jaxpr | None:
     return getattr(body, "jaxpr", body)
 
 
-def lax_primitives_by_name() -> dict[str, Primitive]:
-    """Every primitive JAX's lax modules define, by name.
-
-    Several (collectives, special functions) are not re-exported from `jax.lax`.
-    """
-    import importlib
-    import pkgutil
-
-    import jax._src.lax as lax_pkg
-
+def _primitives_in(modules: Sequence[Any]) -> dict[str, Primitive]:
+    # A module also holds the primitives it imports: the first module seen
+    # naming a primitive wins, so list defining modules first.
     found: dict[str, Primitive] = {}
-    modules = [jax.lax] + [
-        importlib.import_module(name)
-        for name in ("jax._src.ad_util", "jax._src.pjit", "jax._src.dispatch")
-    ] + [
-        importlib.import_module(f"jax._src.lax.{info.name}")
-        for info in pkgutil.iter_modules(lax_pkg.__path__)
-        if not info.ispkg
-    ]
     for module in modules:
         for obj in vars(module).values():
             if isinstance(obj, Primitive):
                 found.setdefault(obj.name, obj)
     return found
+
+
+def _lax_modules() -> list[Any]:
+    import pkgutil
+
+    import jax._src.lax as lax_pkg
+
+    return [
+        importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(lax_pkg.__path__, f"{lax_pkg.__name__}.")
+    ]
+
+
+def lax_primitives_by_name() -> dict[str, Primitive]:
+    """Every primitive of JAX's lax package (``jax._src.lax`` and its subpackages), by name.
+
+    Several (collectives, linear algebra, special functions, control flow) are
+    not re-exported from `jax.lax`.
+    """
+    return _primitives_in(_lax_modules())
+
+
+# Modules outside the lax package that define primitives programs bind,
+# directly or through jax.numpy, jax.random, callbacks and kernels. Some exist
+# only on the releases noted; a module this release lacks, or cannot import
+# (Pallas without its dependencies), is skipped, and tests/test_default_table.py
+# names the table entries that then resolve to nothing.
+_PRIMITIVE_MODULES = (
+    "jax._src.core",  # pvary, reduced_vary_cast, mutable arrays
+    "jax._src.ad_util",  # add_any, zeros_like, stop_gradient
+    "jax._src.pjit",  # sharding_constraint, reshard, layout_constraint, relayout
+    "jax._src.dispatch",  # device_put
+    "jax._src.shard_alike",  # shard_alike (to 0.11.1)
+    "jax._src.ad_checkpoint",  # name: jax.ad_checkpoint.checkpoint_name
+    "jax._src.hijax",  # call_hi_primitive: primitives defined in Python
+    "jax._src.state.primitives",  # reads and writes of mutable arrays
+    "jax._src.callback",  # pure_callback, io_callback
+    "jax._src.debugging",  # debug_callback, debug_print, inspect_sharding
+    "jax._src.buffer_callback",
+    "jax._src.ffi",  # ffi_call
+    "jax._src.pallas.pallas_call",
+    "jax._src.cudnn.fused_attention_stablehlo",  # cuDNN attention
+    "jax._src.cudnn.scaled_matmul_stablehlo",
+    "jax._src.random.prng",  # key operations (from 0.10.2)
+    "jax._src.random.core",  # random_gamma, random_clone (from 0.10.2)
+    "jax._src.random.threefry2x32",  # (from 0.10.2)
+    "jax._src.prng",  # key operations, threefry2x32 (to 0.10.1)
+    "jax._src.random",  # random_gamma, random_clone (to 0.10.1)
+)
+
+
+@functools.cache
+def primitives_by_name() -> dict[str, Primitive]:
+    """Every primitive of the lax package and of the other modules defining ones programs bind, by name.
+
+    `lax_primitives_by_name` plus ``pvary``, ``name``
+    (`jax.ad_checkpoint.checkpoint_name`), callbacks, ``ffi_call``,
+    ``pallas_call``, cuDNN kernels, sharding and random-key primitives. Imports
+    those modules not imported yet (Pallas's among them). Computed once: do not
+    modify the result.
+    """
+    modules = _lax_modules()
+    for name in _PRIMITIVE_MODULES:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return _primitives_in(modules)
+
+
+class CatalogueOp(NamedTuple):
+    """One operation of JAX's own catalogue of lax operations (`lax_op_catalogue`)."""
+
+    name: str  # the jax.lax function, or "reduce[<primitive>, init=<value>]" for lax.reduce
+    fn: Callable[..., Any]  # takes `nargs` arrays of one dtype
+    nargs: int
+    dtypes: tuple[Any, ...]  # numpy dtypes JAX's own tests run it with
+
+
+def lax_op_catalogue() -> list[CatalogueOp]:
+    """Every operation JAX's own lax tests sweep, with the operand dtypes each accepts.
+
+    Read from ``jax._src.internal_test_util.lax_test_util``, which ships with
+    JAX: ``lax_ops`` (elementwise operations by `jax.lax` name),
+    ``lax_reduce_ops`` (`jax.lax.reduce` with an initial value and computation
+    JAX recognises as a monoid, so it binds ``reduce_sum``, ``reduce_max``...),
+    ``lax_named_reduce_ops`` (`jax.lax.reduce_sum`...) and
+    ``lax_out_dtype_ops``. An operation listed in several of its records
+    (``sqrt`` for floats and for complex numbers) is one entry with their dtypes
+    merged. Reductions reduce over axis 0. The dtypes are those of the default
+    backend that JAX runs as such: 64-bit types only with ``jax_enable_x64``
+    (an operation left with none is omitted). Raises when the module has moved
+    or dropped one of these lists, so tests built on it fail instead of
+    sweeping fewer operations.
+    """
+    import numpy as np
+    from jax._src.internal_test_util import lax_test_util as catalogue
+
+    entries: dict[str, CatalogueOp] = {}
+
+    def add(name: str, fn: Callable[..., Any], nargs: int, dtypes: Sequence[Any]) -> None:
+        known = entries[name].dtypes if name in entries else ()
+        # Records list 64-bit types whatever jax_enable_x64 says; JAX would
+        # silently run those at 32 bits.
+        usable = [np.dtype(d) for d in dtypes if jax.dtypes.canonicalize_dtype(d) == np.dtype(d)]
+        merged = tuple(dict.fromkeys((*known, *usable)))
+        if merged:
+            entries[name] = CatalogueOp(name, fn, nargs, merged)
+
+    for record in (*catalogue.lax_ops(), *catalogue.lax_out_dtype_ops()):
+        add(record.op, getattr(jax.lax, record.op), record.nargs, record.dtypes)
+    for record in catalogue.lax_reduce_ops():
+        # One entry per initial value: each is the monoid's identity for its dtypes only.
+        name = f"reduce[{record.primitive.name}, init={record.init_val}]"
+        add(name, _monoid_reduction(record.op, record.init_val), 1, record.dtypes)
+    for record in catalogue.lax_named_reduce_ops():
+        add(record.op.__name__, functools.partial(record.op, axes=(0,)), 1, record.dtypes)
+    return list(entries.values())
+
+
+def _monoid_reduction(op: Callable, init_val: Any) -> Callable[[Any], Any]:
+    import numpy as np
+
+    def reduce(x: Any) -> Any:
+        # A wrapping conversion: -1 stands for all bits set in any integer type.
+        return jax.lax.reduce(x, np.array(init_val).astype(x.dtype), op, (0,))
+
+    return reduce
 
 
 # --- benchmarks ---

@@ -39,16 +39,27 @@ def _is_dtype(dtype: Any) -> bool:
 
 
 def equation_flops(eqn: Any) -> int:
-    """FLOPs (2 x multiply-adds) of a dot_general or convolution, from its shapes; else 0.
+    """FLOPs (2 x multiply-adds) of a matmul or convolution, from its shapes; else 0.
 
-    A dot_general costs ``2 * batch * M * N * K``; a convolution ``2 * output
-    size * kernel window * input features per group``.
+    A dot_general costs ``2 * batch * M * N * K``. A ragged_dot_general (the
+    grouped matmul of `jax.lax.ragged_dot`) costs the same, as if its groups
+    covered every row: each lhs element meets one group's ``N`` rhs columns, so
+    ``ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes)`` costs ``2 * m * k * n``.
+    A convolution costs ``2 * output size * kernel window * input features per
+    group``.
     """
     name = eqn.primitive.name
-    if name == "dot_general":
-        (lhs_contract, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+    if name in ("dot_general", "ragged_dot_general"):
+        if name == "dot_general":
+            dimension_numbers, rhs_group = eqn.params["dimension_numbers"], ()
+        else:
+            ragged = eqn.params["ragged_dot_dimension_numbers"]
+            dimension_numbers, rhs_group = ragged.dot_dimension_numbers, ragged.rhs_group_dimensions
+        (_, rhs_contract), (_, rhs_batch) = dimension_numbers
         lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-        rhs_free = [d for i, d in enumerate(rhs) if i not in rhs_contract and i not in rhs_batch]
+        rhs_free = [
+            d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch, *rhs_group)
+        ]
         return 2 * math.prod(lhs) * math.prod(rhs_free)
     if name == "conv_general_dilated":
         out = eqn.outvars[0].aval.shape

@@ -149,51 +149,177 @@ def use_full_range_precision(compute_dtype, original_dtypes, *invars, **bind_par
     return use_current_precision(compute_dtype, original_dtypes, *invars, **bind_params)
 
 
+# --- the default table --------------------------------------------------------
+# Every primitive of JAX's lax package and of JAX's own op catalogue has an
+# entry here or a handler in `_higher_order` (tests/test_default_table.py and
+# tests/test_primitive_sweep.py fail on a JAX release that adds one), and so do
+# the primitives programs bind from elsewhere in JAX: checkpoint names,
+# sharding, callbacks, kernels, random keys. "amp_default" is left to
+# primitives from outside JAX; it warns when it sends operands amp had moved to
+# half precision back.
+
 # PyTorch autocast's "lower precision" list: matmuls and convolutions.
-_COMPUTE_PRIMITIVES = ("dot_general", "conv_general_dilated")
+# ragged_dot_general is the grouped matmul of mixture-of-experts layers.
+_COMPUTE_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 # From PyTorch autocast's float32 list, in lax terms: ops whose accuracy suffers
 # in half precision (sums lose bits, log near 1 loses digits).
 _FULL_PRECISION_PRIMITIVES = (
-    "log", "log1p", "rsqrt", "erf_inv", "lgamma", "digamma", "igamma", "igammac",
-    "igamma_grad_a", "polygamma", "zeta", "bessel_i0e", "bessel_i1e", "tan",
+    "log", "log1p", "log2", "rsqrt", "erf_inv", "lgamma", "digamma", "igamma",
+    "igammac", "igamma_grad_a", "polygamma", "zeta",
+    "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "tan",
     "acos", "asin", "acosh", "asinh", "atanh",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
     "reduce_precision",
     # Scatters that combine values carry a combiner jaxpr typed for the
     # original dtype (they appear in amp(jax.grad(f)), as transposed gathers).
-    "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+    "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
 )
 
 # The rest of PyTorch's float32 list: ops that overflow float16's range.
 _RANGE_LIMITED_PRIMITIVES = ("exp", "exp2", "expm1", "pow", "cosh", "sinh")
 
-# Elementwise and structural ops: they follow their operands (see
-# use_current_precision). Anything not listed (FFI calls, pallas kernels,
-# primitives added to JAX after this list) runs at original precision.
+# Elementwise, structural and communication ops: they follow their operands
+# (see use_current_precision).
 _CURRENT_PRECISION_PRIMITIVES = (
     # n-ary elementwise
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2",
-    "nextafter", "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge",
-    "and", "or", "xor", "not",
+    "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge",
+    "eq_to", "lt_to", "le_to", "and", "or", "xor", "not",
+    # Horner's rule (jnp.polyval, jnp.sinc from JAX 0.12): JAX 0.10 ran
+    # these as mul and add.
+    "polynomial",
     # unary elementwise
     "neg", "abs", "sign", "floor", "ceil", "round", "is_finite", "tanh",
     "logistic", "sin", "cos", "atan", "sqrt", "cbrt", "square", "integer_pow",
-    "erf", "erfc", "copy", "stop_gradient", "real", "imag", "conj",
-    "convert_element_type", "reduce_max", "reduce_min", "reduce_and",
-    "reduce_or", "reduce_xor", "argmax", "argmin", "cummax", "cummin",
-    "optimization_barrier",
+    "erf", "erfc", "real", "imag", "convert_element_type",
+    # 1 - x**2, the derivative of tanh, asin, acos and atanh from JAX 0.11.2:
+    # JAX 0.10 ran it as square (or mul) and sub.
+    "one_minus_square",
+    # reductions that pick an element, and integer-only ops
+    "reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_xor",
+    "argmax", "argmin", "cummax", "cummin",
+    "clz", "population_count", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "mulhi",
     # structural
-    "reshape", "transpose", "broadcast_in_dim", "squeeze",
+    "reshape", "transpose", "broadcast_in_dim", "squeeze", "stack", "unstack", "tile",
     "slice", "dynamic_slice", "dynamic_update_slice", "gather", "concatenate",
-    "pad", "rev", "iota", "select_and_gather_add", "sort", "top_k",
-    "scatter",
+    "pad", "rev", "iota", "select_and_gather_add", "sort", "top_k", "approx_top_k",
+    "scatter", "split", "zeros_like",
     "reduce_window_sum", "reduce_window_max", "reduce_window_min",
-    "select_and_scatter_add", "split", "sharding_constraint",
-    "mesh_cast", "reshard", "device_put", "pvary", "psum", "pmax", "pmin",
-    "all_gather", "all_to_all", "ppermute", "psum_scatter", "reduce_scatter",
-    "axis_index", "pbroadcast", "pcast",
+    "select_and_scatter_add",
+    # Identities that name, place or order a value. A float32 copy of a named
+    # value (checkpoint_name's "name", the idiom of remat policies such as
+    # save_only_these_names) would double what the policy saves.
+    "name", "copy", "stop_gradient", "optimization_barrier", "tie", "stage",
+    "sharding_constraint", "reshard", "device_put", "shard_alike",
+    "layout_constraint", "relayout", "dce_sink",
+    # Collectives: a tensor-parallel layer keeps its compute dtype across its
+    # all-reduce (lax.psum binds psum_invariant inside shard_map), and so do
+    # the casts between varying, invariant, reduced and unreduced values.
+    "psum", "psum_invariant", "pmax", "pmin", "unreduced_psum", "unreduced_pmax",
+    "unreduced_pmin", "all_gather", "all_gather_invariant", "all_gather_reduced",
+    "all_to_all", "ragged_all_to_all", "ppermute", "psend", "precv",
+    "reduce_scatter", "unreduced_reduce_scatter", "axis_index", "pbroadcast",
+    "pbroadcast_dynamic", "pvary", "preduced", "reduced_vary_cast",
+    "reduced_vary_cast_p", "vary_unreduced_cast", "vary_unreduced_cast_p",
+    "all_gather_start", "all_gather_done", "all_gather_reduced_start",
+    "psum_start", "psum_invariant_start", "unreduced_psum_start", "psum_done",
+    "reduce_scatter_start", "unreduced_reduce_scatter_start", "reduce_scatter_done",
+    "all_to_all_start", "all_to_all_done", "ppermute_start", "ppermute_done",
+    "pbroadcast_start", "pbroadcast_done",
+    # No floating operand (tokens, random keys, shapes): no rule casts anything.
+    "after_all", "create_token", "empty", "empty2", "platform_index",
+    "rng_bit_generator", "random_seed", "random_bits", "random_split",
+    "random_fold_in", "random_wrap", "random_unwrap", "random_clone",
+    "threefry2x32", "iota_2x32_shape",
 )
+
+# Deliberately kept at original precision, whatever amp holds their operands
+# in: what these compute is defined by, or implemented only for, the dtypes the
+# program gave them. Not an accuracy judgement, as the float32 list above is.
+_ORIGINAL_PRECISION_PRIMITIVES = (
+    # Linear algebra: LAPACK and cuSOLVER kernels take float32 and wider, and a
+    # factorisation multiplies rounding errors by the matrix's condition number.
+    "cholesky", "cholesky_update", "eig", "eigh", "geqp3", "geqrf", "hessenberg",
+    "householder_product", "lu", "lu_pivots_to_permutation", "ormqr", "qr",
+    "schur", "svd", "symmetric_product", "triangular_solve", "tridiagonal",
+    "tridiagonal_solve",
+    # FFT: XLA's FFT takes float32 and complex64 and wider only.
+    "fft",
+    # Defined by the operand's dtype: a bitcast reinterprets its bits,
+    # nextafter steps one unit in its last place (2**13 float32 steps in
+    # float16); conj and complex take float32 and wider only; extended-dtype
+    # conversions and block-scaled matmuls take the exact (quantised) dtypes
+    # the program chose.
+    "bitcast_convert_type", "nextafter", "conj", "complex", "to_edtype",
+    "from_edtype", "scaled_dot", "scaled_matmul", "scaled_matmul_wrapper",
+    # Host callbacks: the host function was written for the dtypes it was
+    # declared with (most numpy and scipy code has no bfloat16).
+    "pure_callback", "io_callback", "debug_callback", "debug_print",
+    "inspect_sharding", "buffer_callback",
+    # Compiled kernels (FFI calls, Pallas, cuDNN attention), built for the
+    # dtypes they were traced with.
+    "ffi_call", "pallas_call",
+    "dot_product_attention_fwd", "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
+    "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
+    "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper",
+    # Bodies traced for the original dtypes, which amp does not rewrite: the
+    # computations of generic reductions and windows, linear solves,
+    # composites, JAX 0.10's eval_jaxpr (from 0.12 the closed call, which has a
+    # handler), and primitives defined in Python (hijax: JAX 0.12's
+    # jnp.searchsorted, nonzero, ldexp, frexp), built for their operands' types.
+    "reduce", "reduce_window", "select_and_scatter", "custom_linear_solve",
+    "composite", "eval_jaxpr", "call_hi_primitive",
+    # Mutable arrays keep the dtype they were created with.
+    "new_ref", "freeze", "get", "swap", "addupdate",
+    # Samplers draw in the dtype the program asked for.
+    "random_gamma", "rng_uniform",
+)
+
+# Each name list with its rule. A name belongs to one list (tests check).
+_RULES_BY_NAME_LIST = (
+    (_COMPUTE_PRIMITIVES, use_compute_precision),
+    (_FULL_PRECISION_PRIMITIVES, use_original_precision),
+    (_RANGE_LIMITED_PRIMITIVES, use_full_range_precision),
+    (_CURRENT_PRECISION_PRIMITIVES, use_current_precision),
+    (_ORIGINAL_PRECISION_PRIMITIVES, use_original_precision),
+)
+
+# Names of the lists above that only some supported JAX releases (0.10.0 to
+# 0.12.x) define: name -> (first release defining it, first release no longer
+# defining it), None where open. Every other name must resolve on every
+# supported release, and these exactly where their range says (checked by
+# tests/test_default_table.py on the running release).
+_RELEASE_SPECIFIC_NAMES: dict[str, tuple[tuple[int, ...] | None, tuple[int, ...] | None]] = {
+    "stack": ((0, 10, 1), None),
+    "stage": ((0, 10, 1), None),
+    "unstack": ((0, 10, 1), None),
+    "mulhi": ((0, 10, 2), None),
+    "relayout": ((0, 11, 1), None),
+    "unreduced_pmax": ((0, 11, 1), None),
+    "unreduced_pmin": ((0, 11, 1), None),
+    "log2": ((0, 11, 2), None),
+    "one_minus_square": ((0, 11, 2), None),
+    "polynomial": ((0, 12, 0), None),
+    "pbroadcast_dynamic": ((0, 12, 0), None),
+    "reduced_vary_cast": ((0, 12, 0), None),
+    "vary_unreduced_cast": ((0, 12, 0), None),
+    "reduced_vary_cast_p": (None, (0, 12, 0)),
+    "vary_unreduced_cast_p": (None, (0, 12, 0)),
+    "pbroadcast_start": (None, (0, 11, 1)),
+    "pbroadcast_done": (None, (0, 11, 1)),
+    "psum_start": (None, (0, 11, 1)),
+    "unreduced_psum_start": (None, (0, 11, 1)),
+    "unreduced_reduce_scatter_start": (None, (0, 11, 1)),
+    "shard_alike": (None, (0, 11, 2)),
+}
+
+
+def _primitive_names() -> set[str]:
+    """Every primitive name the default table lists."""
+    return {name for names, _ in _RULES_BY_NAME_LIST for name in names}
 
 
 def _default_table() -> dict[Any, Rule]:
@@ -202,27 +328,32 @@ def _default_table() -> dict[Any, Rule]:
     # group norm in float32 too: their variance squares activations.
     for layer in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"):
         table[f"eqx.nn.{layer}"] = use_original_precision
-    for name in _COMPUTE_PRIMITIVES:
-        table[name] = use_compute_precision
-    for name in _FULL_PRECISION_PRIMITIVES:
-        table[name] = use_original_precision
-    for name in _RANGE_LIMITED_PRIMITIVES:
-        table[name] = use_full_range_precision
-    for name in _CURRENT_PRECISION_PRIMITIVES:
-        table[name] = use_current_precision
+    for names, rule in _RULES_BY_NAME_LIST:
+        table.update(dict.fromkeys(names, rule))
     return table
 
 
 def _resolve_primitive_names(table: dict[Any, Rule]) -> dict[Any, Rule]:
-    # The table is keyed by primitive objects (as the seed documents, e.g.
-    # `jax.lax.add_p`) and scope strings; primitive names only make the lists
-    # above readable. Names this JAX version lacks are dropped.
-    by_name = _compat.lax_primitives_by_name()
+    """`table` with each primitive name replaced by the primitive of that name.
+
+    The table is keyed by primitive objects (as the seed documents, e.g.
+    `jax.lax.add_p`) and scope strings; primitive names only make the lists
+    above readable. A listed name the running JAX does not define is left out:
+    `_unresolved_primitive_names` says which, and tests check each is one
+    `_RELEASE_SPECIFIC_NAMES` expects this release to lack.
+    """
+    by_name = _compat.primitives_by_name()
+    names = _primitive_names()
     return {
-        by_name.get(key, key): rule
+        by_name[key] if key in names else key: rule
         for key, rule in table.items()
-        if key in by_name or key in ("amp_stop", "amp_default") or key.startswith("eqx.nn.")
+        if key not in names or key in by_name
     }
+
+
+def _unresolved_primitive_names() -> set[str]:
+    """The names of the default table that the running JAX defines no primitive for."""
+    return _primitive_names() - _compat.primitives_by_name().keys()
 
 
 class PolicyTable(Mapping):

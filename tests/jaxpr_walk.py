@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import jax
 
-MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+MATMUL_PRIMITIVES = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 
 
 def iter_eqns(jaxpr) -> Iterator:
@@ -37,17 +37,29 @@ def scan_num_consts(params) -> int:
     return len(params["ft_in"].unpack()[0])
 
 
-def matmul_operand_dtypes(jaxpr) -> list[tuple[str, tuple]]:
-    """(primitive name, operand dtypes) of every matmul/conv in `jaxpr`."""
+def float_operand_dtypes(jaxpr, names) -> list[tuple[str, tuple]]:
+    """(primitive name, floating operand dtypes) of every equation of `jaxpr` binding one of `names`.
+
+    Nested equations included; integer operands (a ragged dot's group sizes) left out.
+    """
     return [
-        (eqn.primitive.name, tuple(v.aval.dtype for v in eqn.invars))
+        (eqn.primitive.name, tuple(d for d in (v.aval.dtype for v in eqn.invars) if _is_float(d)))
         for eqn in iter_eqns(jaxpr)
-        if eqn.primitive.name in MATMUL_PRIMITIVES
+        if eqn.primitive.name in names
     ]
 
 
+def _is_float(dtype) -> bool:
+    return jax.numpy.issubdtype(dtype, jax.numpy.floating)
+
+
+def matmul_operand_dtypes(jaxpr) -> list[tuple[str, tuple]]:
+    """(primitive name, floating operand dtypes) of every matmul/conv in `jaxpr`."""
+    return float_operand_dtypes(jaxpr, MATMUL_PRIMITIVES)
+
+
 def assert_all_matmuls_in(jaxpr, dtype, *, at_least=1):
-    """Every dot_general/conv in `jaxpr` has all its operands in `dtype`."""
+    """Every matmul/conv in `jaxpr` has all its floating operands in `dtype`."""
     found = matmul_operand_dtypes(jaxpr)
     assert len(found) >= at_least, f"expected at least {at_least} matmuls, found {found}"
     wrong = [(name, dts) for name, dts in found if any(d != dtype for d in dts)]
@@ -55,4 +67,10 @@ def assert_all_matmuls_in(jaxpr, dtype, *, at_least=1):
     return len(found)
 
 
-__all__ = ["assert_all_matmuls_in", "iter_eqns", "matmul_operand_dtypes", "scan_num_consts"]
+__all__ = [
+    "assert_all_matmuls_in",
+    "float_operand_dtypes",
+    "iter_eqns",
+    "matmul_operand_dtypes",
+    "scan_num_consts",
+]

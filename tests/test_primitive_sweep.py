@@ -19,11 +19,21 @@ sorts, argmax, floor/round or a rem quotient are exactly representable in both
 half types and at least 1/8 apart, and continuous ops get domains where they are
 well conditioned.
 
+JAX's own catalogue of lax operations (`jaxamp._compat.lax_op_catalogue`) is
+swept too, one case per operation and float dtype it accepts, so an operation a
+new JAX release adds is tested before a user meets it: every primitive it binds
+has an entry in the default table, and under amp, along both routes, it runs,
+returns the plain function's dtypes and shapes, and never receives a float
+dtype the catalogue does not list for it.
+
 Then, with no tolerance at all: integer, boolean, float64 and complex programs
 pass through amp bit-for-bit with no convert_element_type added;
 `lax.bitcast_convert_type` sees its operand's original dtype; every matmul and
 convolution of the amp'd jaxpr takes compute-dtype operands; a `pure_callback`
-(a primitive amp does not know) receives float32.
+receives float32.
+
+No case may reach amp's fallbacks: a warning that the policy table has no entry
+for a primitive, or that amp has no handler for a higher-order one, fails it.
 """
 
 from __future__ import annotations
@@ -38,9 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
-from jaxpr_walk import assert_all_matmuls_in, iter_eqns
+from jaxamp import _compat, _interpreter
+from jaxpr_walk import assert_all_matmuls_in, float_operand_dtypes, iter_eqns
 
 F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
 SHORT_NAMES = {F16: "f16", BF16: "bf16"}
@@ -64,6 +76,18 @@ DEFAULT_ULPS = 8
 # such ops) multiplies the error by a small condition number.
 ACCUMULATING_ULPS = 32
 ALGORITHM_ULPS = 64
+
+pytestmark = [
+    pytest.mark.filterwarnings("error:amp policy table:UserWarning"),
+    pytest.mark.filterwarnings("error:jaxamp has no handler:UserWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """amp warns once per primitive per process: each case hears its own."""
+    monkeypatch.setattr(_interpreter, "_warned", set())
+
 
 # Fixed inputs: the same every run, so a pass is not luck of the draw.
 RNG = np.random.default_rng(0)
@@ -148,6 +172,19 @@ def routed(fn, route):
     return half_operands
 
 
+def assert_same_types(actual, expected):
+    """Same pytree; leaves of the same dtypes and shapes (arrays or `jax.ShapeDtypeStruct`s).
+
+    Returns the leaves, as ``(actual, expected)`` pairs.
+    """
+    actual_leaves, actual_tree = jax.tree.flatten(actual)
+    expected_leaves, expected_tree = jax.tree.flatten(expected)
+    assert actual_tree == expected_tree
+    for a, e in zip(actual_leaves, expected_leaves):
+        assert (np.dtype(a.dtype), a.shape) == (np.dtype(e.dtype), e.shape)
+    return list(zip(actual_leaves, expected_leaves))
+
+
 def assert_matches(actual, expected, rtol, *, magnitude=0.0):
     """Same pytree, shapes and dtypes; floats within `rtol`, the rest exact.
 
@@ -156,12 +193,8 @@ def assert_matches(actual, expected, rtol, *, magnitude=0.0):
     zero (sin near pi, a sum of mixed signs) or that a last step squashes carry
     the error of the magnitudes they were computed from.
     """
-    actual_leaves, actual_tree = jax.tree.flatten(actual)
-    expected_leaves, expected_tree = jax.tree.flatten(expected)
-    assert actual_tree == expected_tree
-    for a, e in zip(actual_leaves, expected_leaves):
+    for a, e in assert_same_types(actual, expected):
         a, e = np.asarray(a), np.asarray(e)
-        assert (a.dtype, a.shape) == (e.dtype, e.shape)
         if jnp.issubdtype(e.dtype, jnp.inexact):
             wide = np.complex128 if jnp.issubdtype(e.dtype, jnp.complexfloating) else np.float64
             a, e = a.astype(wide), e.astype(wide)
@@ -238,6 +271,10 @@ UNARY_DOMAINS = {
 UNARY = [
     *(unary(op.__name__, op, lo, hi) for op, (lo, hi) in UNARY_DOMAINS.items()),
     unary("square", lax.square, -3, 3),
+    unary("log2", jnp.log2, 0.5, 4),  # one primitive from JAX 0.11.2, log and div before
+    # Each one polynomial primitive (Horner's rule) from JAX 0.12, mul and add before.
+    unary("polyval", lambda x: jnp.polyval(jnp.array([0.5, -1.0, 2.0]), x), -1, 1, ulps=ACCUMULATING_ULPS),
+    unary("sinc", jnp.sinc, -1.5, 1.5, ulps=ACCUMULATING_ULPS),
     unary("integer_pow", lambda x: lax.integer_pow(x, 3), -2, 2),
     unary("integer_pow_negative", lambda x: lax.integer_pow(x, -2), 0.5, 2),
     unary("pow_scalar_exponent", lambda x: lax.pow(x, 2.5), 0.5, 2),
@@ -386,6 +423,7 @@ SORTING = [
          np.floor(distinct()).astype(np.float32), distinct(), uniform(-2, 2)),
     case("argsort", lambda x: jnp.argsort(x, axis=1), distinct()),
     case("top_k", lambda x: lax.top_k(x, 3), distinct()),
+    case("approx_max_k", lambda x: lax.approx_max_k(x, 2), distinct()),
 ]
 
 # --- windows -----------------------------------------------------------------------------------
@@ -415,6 +453,7 @@ WINDOWS = [
 # --- matmuls and convolutions --------------------------------------------------------------------
 
 _NWC, _NCHW = ("NWC", "WIO", "NWC"), ("NCHW", "OIHW", "NCHW")
+_GROUPS = np.array([2, 1, 3], np.int32)
 
 MATMULS = [
     case("matmul_bias", lambda x, w, b: x @ w + b, uniform(-1, 1), uniform(-1, 1, (4, 5)), uniform(-1, 1, (5,)),
@@ -443,6 +482,9 @@ MATMULS = [
     case("lax_map_matmul", lambda xs, w: lax.map(lambda x: jnp.tanh(x @ w), xs),
          uniform(-1, 1), uniform(-1, 1, (4, 4)), ulps=ACCUMULATING_ULPS),
     case("one_hot_matmul", lambda labels, w: jax.nn.one_hot(labels, 4) @ w, ints(4, (5,)), uniform(-1, 1, (4, 3))),
+    # Mixture of experts: rows 0-1 to expert 0, row 2 to expert 1, 3-5 to expert 2.
+    case("ragged_dot", lambda x, w, groups: lax.ragged_dot(x, w, groups),
+         uniform(-1, 1, (6, 4)), uniform(-1, 1, (3, 4, 5)), _GROUPS, ulps=ACCUMULATING_ULPS),
 ]
 
 # --- random numbers drawn inside the function -----------------------------------------------------
@@ -543,6 +585,7 @@ CUSTOM = [
     case("optimization_barrier", lambda x, y: lax.optimization_barrier((x * 2, y + 1)),
          uniform(-2, 2), uniform(-2, 2)),
     case("stop_gradient", lambda x: lax.stop_gradient(x) * x, uniform(-2, 2)),
+    case("checkpoint_name", lambda x: checkpoint_name(x * 2, "h") + 1, uniform(-2, 2)),
 ]
 
 # --- jax.nn ---------------------------------------------------------------------------------------------
@@ -587,6 +630,12 @@ GRADIENTS = [
          uniform(-0.5, 0.5, (3, 4, 3)), uniform(-1, 1, (2, 8, 4)), ulps=ALGORITHM_ULPS),
     case("grad_dot", _grad(lambda w, x: jnp.tanh(x @ w)), uniform(-1, 1, (4, 5)), uniform(-1, 1),
          ulps=ALGORITHM_ULPS),
+    case("grad_ragged_dot", _grad(lambda w, x: jnp.tanh(lax.ragged_dot(x, w, _GROUPS))),
+         uniform(-1, 1, (3, 4, 5)), uniform(-1, 1, (6, 4)), ulps=ALGORITHM_ULPS),
+    # Derivatives 1 - x**2 (one_minus_square from JAX 0.11.2) and 1 / (x log 2).
+    case("grad_tanh_asin_atanh_log2", _grad(lambda x: jnp.tanh(x) + jnp.arcsin(x / 2) + jnp.arctanh(x / 2)
+                                            + jnp.log2(x + 2)),
+         uniform(-1, 1), ulps=ALGORITHM_ULPS),
     case("grad_softmax_logsumexp", _grad(lambda x: jax.nn.softmax(x) * x + jax.nn.logsumexp(x)),
          uniform(-2, 2), ulps=ALGORITHM_ULPS),
     case("grad_dynamic_slice_pad", _grad(lambda x, i: lax.pad(lax.dynamic_slice(x, (i, 0), (2, 3)),
@@ -637,6 +686,68 @@ def test_gradients_as_functions(c, dtype, route):
 def test_matmul_and_conv_operands_are_in_compute_dtype(c, dtype):
     """amp's jaxpr runs each dot_general/conv (nested in scans too) on compute-dtype operands."""
     assert_all_matmuls_in(jax.make_jaxpr(jaxamp.amp(c.fn, compute_dtype=dtype))(*c.args), dtype)
+
+
+# --- JAX's own op catalogue --------------------------------------------------------------------------------
+# Values are arbitrary here (the cases above check numerics): one small operand
+# per argument, inside most operations' domains.
+
+CATALOGUE = _compat.lax_op_catalogue()
+FLOATS = (F32, F16, BF16)
+
+
+def catalogue_operands(op, dtype):
+    values = np.linspace(0.55, 0.95, 3) if jnp.issubdtype(dtype, jnp.floating) else np.ones(3)
+    return (jnp.asarray(values.astype(dtype)),) * op.nargs
+
+
+def bound_primitives(fn, *args):
+    return {eqn.primitive for eqn in iter_eqns(jax.make_jaxpr(fn)(*args))}
+
+
+@pytest.mark.parametrize("op", CATALOGUE, ids=lambda op: op.name)
+def test_catalogue_operation_is_classified(op):
+    """Every primitive the operation binds, at any dtype it accepts, has a table entry or a handler."""
+    bound = set().union(*(bound_primitives(op.fn, *catalogue_operands(op, d)) for d in op.dtypes))
+    table = jaxamp.default_amp_policy
+    assert sorted(p.name for p in bound if p not in table and p not in _interpreter.HANDLERS) == []
+
+
+def catalogue_runs(dtype):
+    """(route, compute dtype) pairs for operands of `dtype`.
+
+    Both routes with both compute dtypes for float32 operands; half-precision
+    operands are what the ``half`` route would make them already, so they
+    arrive as given, under each compute dtype.
+    """
+    routes = ROUTES if dtype == F32 else ("f32",)
+    return [(route, compute) for route in routes for compute in (F16, BF16)]
+
+
+@pytest.mark.parametrize("op, dtype", [
+    pytest.param(op, dtype, id=f"{op.name}-{SHORT_NAMES.get(dtype, 'f32')}")
+    for op in CATALOGUE for dtype in op.dtypes if dtype in FLOATS
+])
+def test_catalogue_operation_under_amp(op, dtype):
+    """Runs, keeps the plain function's dtypes and shapes, and gets only dtypes JAX lists for it.
+
+    An operation that takes float32 and wider only (conj, complex) is never
+    handed half-precision operands, not even after a half matmul.
+    """
+    args = catalogue_operands(op, dtype)
+    # amp's casts are its own: what the operation binds besides them is checked.
+    own = {p.name for p in bound_primitives(op.fn, *args)} - {"convert_element_type"}
+    for route, compute_dtype in catalogue_runs(dtype):
+        fn = routed(op.fn, route)
+        amp_fn = jaxamp.amp(fn, compute_dtype=compute_dtype)
+        assert_same_types(amp_fn(*args), jax.eval_shape(fn, *args))
+        unlisted = {
+            (name, d.name)
+            for name, dtypes in float_operand_dtypes(jax.make_jaxpr(amp_fn)(*args), own)
+            for d in dtypes
+            if d not in op.dtypes
+        }
+        assert unlisted == set(), (route, compute_dtype.name)
 
 
 # --- what amp must leave alone: bit-for-bit -----------------------------------------------------------------
@@ -783,7 +894,7 @@ def test_bitcast_sees_the_original_dtype(target, route, dtype):
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize("route", ROUTES)
 def test_pure_callback_runs_at_original_precision(route, dtype):
-    """An unknown primitive gets float32 operands whatever amp held them in."""
+    """A host callback gets the float32 operands it was declared with, whatever amp held them in."""
     seen = []
 
     def host_sin(x):
