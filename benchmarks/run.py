@@ -1,4 +1,4 @@
-"""jaxamp's benchmark suite: float32, hand-cast bf16, amp bf16 and amp f16 side by side.
+"""jaxamp's benchmark suite: float32, hand-cast bf16, amp bf16, amp f16 and amp fp8 side by side.
 
     python benchmarks/run.py --device-label h100           # on a GPU: < 8 minutes
     python benchmarks/run.py --device-label cpu-2core --quick
@@ -9,7 +9,8 @@ variant in `benchmarks.variants`, it measures
 * everywhere (nothing is compiled or run, the models are abstract): the time to
   trace and lower the value-and-grad step relative to float32, the bytes of
   residuals kept for the backward pass, the share of matmul/conv FLOPs in half
-  precision and the number of dtype conversions in the lowered step;
+  precision (and, in the JSON, in float8) and the number of dtype conversions
+  in the lowered step;
 * on a GPU only: the median step time of a jitted AdamW training step,
   throughput and peak device memory (each variant in its own process, so that
   peak memory is its own).
@@ -203,12 +204,14 @@ def static_metrics(workload: Workload, repeats: int) -> dict[str, dict]:
             res = measure.residuals(variant.wrap(workload.loss_fn), model, *batch)
             flops = measure.matmul_flops(jax.make_jaxpr(grad_fns[key])(*step_args[key]))
             half = sum(n for dtype, n in flops.items() if dtype in ("bfloat16", "float16"))
+            fp8 = sum(n for dtype, n in flops.items() if dtype.startswith("float8"))
             lowered = jax.jit(grad_fns[key]).lower(*step_args[key])
             return {
                 "residual_bytes": res.saved_bytes,
                 "residual_bytes_by_dtype": res.bytes_by_dtype,
                 "matmul_flops": sum(flops.values()),
                 "half_flop_share": half / max(sum(flops.values()), 1),
+                "fp8_flop_share": fp8 / max(sum(flops.values()), 1),
                 "converts": measure.count_converts(lowered.as_text()),
             }
 

@@ -1,4 +1,4 @@
-"""The four precision variants the benchmarks compare, applied to any loss function.
+"""The five precision variants the benchmarks compare, applied to any loss function.
 
 =================  =========================================================
 ``f32``            the loss as written (float32 everywhere)
@@ -9,6 +9,8 @@
 ``amp_f16_scaled`` ``jaxamp.amp(loss, compute_dtype="f16")`` differentiated by
                    `jaxamp.dynamic_scale_value_and_grad`, skipping the
                    optimizer step when the gradients are not finite
+``amp_fp8``        ``jaxamp.amp(loss, compute_dtype="fp8")``: amp bf16 with
+                   float8 matmuls (current scaling; README "## float8")
 =================  =========================================================
 """
 
@@ -131,6 +133,7 @@ VARIANTS: dict[str, Variant] = {
             lambda f: jaxamp.amp(f, compute_dtype="f16"),
             scaled=True,
         ),
+        Variant("amp_fp8", "amp fp8", lambda f: jaxamp.amp(f, compute_dtype="fp8")),
     )
 }
 """The variants by key, in the order tables list them."""

@@ -1,4 +1,4 @@
-"""Train a small CNN on scikit-learn's 8x8 digits three ways: float32, amp bf16, amp f16.
+"""Train a small CNN on scikit-learn's 8x8 digits four ways: float32, amp bf16, amp f16, amp fp8.
 
     pip install -e ".[examples]"
     python examples/digits_amp.py [--steps 600] [--out out/] [--seed 0]
@@ -11,16 +11,22 @@ The same model, data order and initialisation run
 * under ``jaxamp.amp(loss, compute_dtype="f16")`` with dynamic loss scaling
   (`jaxamp.dynamic_scale_value_and_grad`): float16's narrow range makes small
   gradients underflow to zero unless the loss is scaled up first. Steps whose
-  gradients overflow are skipped and the scale halved (`DynamicScalerState`).
+  gradients overflow are skipped and the scale halved (`DynamicScalerState`);
+* under ``jaxamp.amp(loss, compute_dtype="fp8")``: bf16 mode with float8
+  matmuls and convolutions (e4m3 operands scaled per tensor, e5m2 gradients;
+  see README "## float8"). The first convolution sums only 1 x 3 x 3 = 9
+  products per output and stays bf16 (`jaxamp.Fp8Recipe.min_contraction`).
 
 Parameters and optimizer state stay float32 in every run. At the end it prints a
 table (test accuracy, final loss, mean step time, skipped steps, final loss
-scale), checks that both amp runs are within one accuracy point of float32 with
+scale), checks that every amp run is within one accuracy point of float32 with
 no non-finite parameter, and saves loss curves and the loss-scale trajectory as a
 PNG. The dataset ships with scikit-learn: nothing is downloaded.
 
 On a CPU, half-precision steps are not faster (CPUs have no fast bf16/f16
-matmuls); the speed-up needs a GPU or TPU. The accuracy comparison holds anywhere.
+matmuls) and float8 steps are slower (XLA emulates float8 matmuls there); the
+speed-up needs a GPU or TPU (float8: an H100-class GPU). The accuracy
+comparison holds anywhere.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from tqdm import tqdm
 
 import jaxamp
 
-MODES = {"float32": None, "amp bf16": "bf16", "amp f16 + loss scaling": "f16"}
+MODES = {"float32": None, "amp bf16": "bf16", "amp f16 + loss scaling": "f16", "amp fp8": "fp8"}
 """Run name -> amp compute dtype (None: no amp)."""
 
 ACCURACY_TOLERANCE = 1.0  # percentage points an amp run may trail float32 by
@@ -243,8 +249,8 @@ def plot(results: dict[str, RunResult], path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Train a small CNN on scikit-learn's digits in float32, amp bf16 and "
-        "amp f16 with dynamic loss scaling, then compare accuracy, loss and speed.",
+        description="Train a small CNN on scikit-learn's digits in float32, amp bf16, "
+        "amp f16 with dynamic loss scaling and amp fp8, then compare accuracy, loss and speed.",
     )
     add = parser.add_argument
     add("--steps", type=int, default=600, help="training steps per run (default: 600)")
@@ -263,7 +269,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run all three modes; return the results as a dict.
+    """Run every mode of `MODES`; return the results as a dict.
 
     Returns:
         ``{"runs": {name: RunResult}, "plot": Path, "checks": {name: bool}}``;

@@ -19,6 +19,7 @@ __all__ += ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
 
 # The transform
 from ._amp import amp
+from ._fp8 import Fp8Recipe
 from ._rules import (
     default_amp_policy,
     use_compute_precision,
@@ -31,6 +32,7 @@ from ._rules import (
 from ._scopes import amp_stop
 
 __all__ += [
+    "Fp8Recipe",
     "amp",
     "amp_stop",
     "default_amp_policy",

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _compat, _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
 from ._dtypes import canonical_compute_dtype
+from ._fp8 import FP8_NAMES, Fp8Recipe, as_recipe, with_fp8_matmuls
 from ._interpreter import AmpContext, interpret
 from ._casting import cast_value
 from ._rules import default_amp_policy, freeze
@@ -50,7 +51,9 @@ def amp(
             else (Python scalars, strings, callables, Equinox static fields) is
             static, as `equinox.filter_make_jaxpr` treats them.
         compute_dtype: the low-precision dtype (``jnp.float16`` by default,
-            ``jnp.bfloat16``, or a name: ``"bf16"``, ``"f16"``, ``"half"``...).
+            ``jnp.bfloat16``, or a name: ``"bf16"``, ``"f16"``, ``"half"``...),
+            or fp8 mode: ``"fp8"`` (``"float8"``) or a `jaxamp.Fp8Recipe`,
+            which computes in bfloat16 with float8 matmuls (README "## float8").
         amp_policy: the rule table, keyed by primitive (``jax.lax.add_p``) or by
             `jax.named_scope` name; `default_amp_policy` when omitted.
         policy: a `jaxamp.Policy` or policy string (``"p=f32,c=bf16,o=f32"``):
@@ -62,8 +65,9 @@ def amp(
 
     Raises:
         TypeError: `fn` is not callable, `compute_dtype` is not a float16,
-            bfloat16 or float32 dtype, or `amp_policy` is malformed.
-        ValueError: an unknown dtype name or policy string.
+            bfloat16 or float32 dtype (nor fp8 mode), or `amp_policy` is malformed.
+        ValueError: an unknown dtype name or policy string, or a `policy`
+            whose compute dtype disagrees with `compute_dtype`.
     """
     options = AmpOptions.resolve(compute_dtype=compute_dtype, amp_policy=amp_policy, policy=policy)
     if fn is None:
@@ -88,15 +92,18 @@ class AmpOptions:
     compute_dtype: np.dtype
     table: Mapping[Any, Callable]
     output_dtype: np.dtype | None = None
+    fp8: Fp8Recipe | None = None  # fp8 mode's recipe; `table` already holds its matmul rules
 
     @classmethod
     def resolve(
         cls, *, compute_dtype: Any = _UNSET, amp_policy: Any = None, policy: Any = None
     ) -> AmpOptions:
         """Validate `amp`'s keyword arguments (see `amp`)."""
-        compute, output_dtype = _resolve_dtypes(compute_dtype, policy)
+        compute, output_dtype, fp8 = _resolve_dtypes(compute_dtype, policy)
         table = _check_policy_table(default_amp_policy if amp_policy is None else amp_policy)
-        return cls(compute, table, output_dtype)
+        if fp8 is not None:
+            table = with_fp8_matmuls(table, fp8)
+        return cls(compute, table, output_dtype, fp8)
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""
@@ -122,21 +129,59 @@ class AmpOptions:
         return rebuild(outs)
 
 
-def _resolve_dtypes(compute_dtype: Any, policy: Any) -> tuple[np.dtype, np.dtype | None]:
+def _resolve_dtypes(
+    compute_dtype: Any, policy: Any
+) -> tuple[np.dtype, np.dtype | None, Fp8Recipe | None]:
+    """``(compute dtype, output dtype or None, fp8 recipe or None)`` of `amp`'s arguments.
+
+    fp8 mode (``compute_dtype="fp8"`` or an `Fp8Recipe`) computes in bfloat16
+    with float8 matmuls: a `policy` beside it must compute in bfloat16.
+    """
+    fp8 = None if compute_dtype is _UNSET else as_recipe(compute_dtype)
+    if fp8 is not None:
+        compute = np.dtype(jnp.bfloat16)
+    elif compute_dtype is _UNSET:
+        compute = np.dtype(jnp.float16) if policy is None else None
+    else:
+        compute = _canonical_or_fp8_hint(compute_dtype)
     if policy is None:
-        value = jnp.float16 if compute_dtype is _UNSET else compute_dtype
-        return canonical_compute_dtype(value), None
+        return compute, None, fp8
     from ._policy import get_policy
 
     resolved = get_policy(policy)
-    if compute_dtype is not _UNSET and np.dtype(
-        canonical_compute_dtype(compute_dtype)
-    ) != np.dtype(resolved.compute_dtype):
+    if compute is not None and compute != np.dtype(resolved.compute_dtype):
         raise ValueError(
             f"amp got compute_dtype={compute_dtype!r} and policy={str(resolved)!r}, "
-            "which disagree: pass one of them."
+            "which disagree: pass one of them"
+            + (" (fp8 mode computes in bf16)." if fp8 is not None else ".")
         )
-    return np.dtype(resolved.compute_dtype), np.dtype(resolved.output_dtype)
+    return np.dtype(resolved.compute_dtype), np.dtype(resolved.output_dtype), fp8
+
+
+_FP8_HINT = (
+    f"For float8 matmuls pass compute_dtype={FP8_NAMES[0]!r} (or {FP8_NAMES[1]!r}, "
+    "or a jaxamp.Fp8Recipe)."
+)
+
+
+def _canonical_or_fp8_hint(compute_dtype: Any) -> np.dtype:
+    try:
+        return canonical_compute_dtype(compute_dtype)
+    except ValueError as err:  # an unknown name: fp8 mode's names are valid too
+        raise ValueError(f"{err} {_FP8_HINT}") from None
+    except TypeError as err:
+        # A float8 dtype is no compute dtype (only matmul operands go to
+        # float8, and only in fp8 mode): point at the mode.
+        if not _is_float8(compute_dtype):
+            raise
+        raise TypeError(f"{err} {_FP8_HINT}") from None
+
+
+def _is_float8(value: Any) -> bool:
+    try:
+        return value is not None and np.dtype(value).name.startswith("float8")
+    except TypeError:
+        return False
 
 
 def _check_policy_table(table: Any) -> Mapping[Any, Callable]:

@@ -1,7 +1,8 @@
 """Diagnostics: what amp did to every equation, and where an overflow starts.
 
 `explain` traces the amp'd function (nothing runs) and reports one row per
-equation, nested bodies included. `find_nonfinite` runs it eagerly, equation by
+equation, nested bodies included; in fp8 mode it also says how each matmul ran
+in float8 or why it did not. `find_nonfinite` runs it eagerly, equation by
 equation, and stops at the first output holding an inf or NaN.
 """
 
@@ -14,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ import numpy as np
 from . import _compat
 from ._amp import AmpOptions
 from ._dtypes import dtype_short_name, is_castable
+from ._fp8 import MATMUL_NAMES, bodies, matmuls_in
 from ._interpreter import EquationEvent
 
 __all__ = ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
@@ -70,6 +73,10 @@ def equation_flops(eqn: Any) -> int:
     return 0
 
 
+_HALF = ("f16", "bf16")
+_FLOAT8 = ("e4m3", "e5m2")  # as `dtype_short_name` shows fp8 mode's formats
+
+
 @dataclasses.dataclass(frozen=True)
 class AmpRow:
     """One equation as amp ran it.
@@ -89,6 +96,9 @@ class AmpRow:
             multiplied in; a while loop counts once); 0 for other primitives.
         trip_count: how many times the equation runs per call.
         source: ``"file.py:line (function)"`` of the user code that emitted it.
+        detail: in fp8 mode, for a matmul: its float8 formats and scaling, or
+            why it stayed out of float8; for an equation whose body amp does
+            not rewrite (a Pallas kernel), the matmuls inside it. ``""`` otherwise.
     """
 
     primitive: str
@@ -102,12 +112,19 @@ class AmpRow:
     flops: int
     trip_count: int
     source: str | None
+    detail: str = ""
 
     @property
     def low_precision(self) -> bool:
-        """Whether every floating operand ran in a 16-bit float."""
-        floats = [d for d in self.dtypes_after if d in ("f16", "bf16", "f32")]
-        return bool(floats) and all(d in ("f16", "bf16") for d in floats)
+        """Whether every floating operand ran in a 16-bit or 8-bit float."""
+        floats = [d for d in self.dtypes_after if d in ("f32", *_HALF, *_FLOAT8)]
+        return bool(floats) and all(d in (*_HALF, *_FLOAT8) for d in floats)
+
+    @property
+    def float8(self) -> bool:
+        """Whether every floating operand ran in float8 (fp8 mode's matmuls)."""
+        floats = [d for d in self.dtypes_after if d in ("f32", *_HALF, *_FLOAT8)]
+        return bool(floats) and all(d in _FLOAT8 for d in floats)
 
     @property
     def full_precision(self) -> bool:
@@ -115,7 +132,7 @@ class AmpRow:
         return "f32" in self.dtypes_after
 
 
-def _row(event: EquationEvent) -> AmpRow:
+def _row(event: EquationEvent, fp8: bool = False) -> AmpRow:
     eqn = event.eqn
     casts = sum(a != b for a, b in zip(event.dtypes_before, event.dtypes_after) if is_castable(a))
     flops = equation_flops(eqn) * event.trip_count
@@ -131,7 +148,23 @@ def _row(event: EquationEvent) -> AmpRow:
         flops=flops,
         trip_count=event.trip_count,
         source=_compat.frame_line(event.user_frame),
+        detail=event.detail or (_not_float8(event) if fp8 else ""),
     )
+
+
+def _not_float8(event: EquationEvent) -> str:
+    """Why fp8 mode's rule never saw this matmul (or these, in a body amp does not rewrite)."""
+    eqn = event.eqn
+    if eqn.primitive.name in MATMUL_NAMES:
+        operands = ",".join(_name(d) for d in event.dtypes_after)
+        return f"kept {operands}: decided by {event.decided_by}"
+    inside = sum(1 for body in bodies(eqn) for _ in matmuls_in(body))
+    if inside:
+        return (
+            f"not float8: {inside} matmul(s) inside a {eqn.primitive.name} body, which amp "
+            "does not rewrite (it runs as written)"
+        )
+    return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,11 +173,13 @@ class AmpReport:
 
     Attributes:
         rows: one `AmpRow` per equation, in program order, nested bodies inline.
-        compute_dtype: amp's compute dtype.
+        compute_dtype: amp's compute dtype (``"bf16"`` in fp8 mode).
+        fp8_recipe: fp8 mode's `jaxamp.Fp8Recipe`; None in other modes.
     """
 
     rows: tuple[AmpRow, ...]
     compute_dtype: str
+    fp8_recipe: Any = None
 
     @property
     def total_matmul_flops(self) -> int:
@@ -157,6 +192,23 @@ class AmpReport:
         if total == 0:
             return 1.0
         return sum(r.flops for r in self.rows if r.low_precision) / total
+
+    @property
+    def fp8_flop_fraction(self) -> float:
+        """Share of matmul/conv FLOPs whose operands ran in float8 (0.0 if none)."""
+        total = self.total_matmul_flops
+        return sum(r.flops for r in self.rows if r.float8) / total if total else 0.0
+
+    @property
+    def kept_out_of_fp8(self) -> tuple[AmpRow, ...]:
+        """The matmuls, and bodies holding matmuls, that fp8 mode did not run in float8.
+
+        Each row's `detail` says why. Empty outside fp8 mode.
+        """
+        if self.fp8_recipe is None:
+            return ()
+        # In fp8 mode exactly the matmul rows and bodies holding matmuls have a detail.
+        return tuple(r for r in self.rows if r.detail and not r.float8)
 
     @property
     def casts_inserted(self) -> int:
@@ -174,8 +226,9 @@ class AmpReport:
         return sum(r.decided_by == "amp_stop" for r in self.rows)
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict: summary figures and every row."""
-        return {
+        """A JSON-ready dict: summary figures and every row (in fp8 mode also
+        ``fp8_recipe`` and ``fp8_flop_fraction``)."""
+        out = {
             "compute_dtype": self.compute_dtype,
             "low_precision_flop_fraction": self.low_precision_flop_fraction,
             "total_matmul_flops": self.total_matmul_flops,
@@ -184,19 +237,27 @@ class AmpReport:
             "kept_full_by_amp_stop": self.kept_full_by_amp_stop,
             "rows": [dataclasses.asdict(r) for r in self.rows],
         }
+        if self.fp8_recipe is not None:
+            out["fp8_recipe"] = dataclasses.asdict(self.fp8_recipe)
+            out["fp8_flop_fraction"] = self.fp8_flop_fraction
+        return out
 
     def __str__(self) -> str:
         groups: dict[tuple, list[AmpRow]] = defaultdict(list)
         for row in self.rows:
-            groups[(row.scope, row.primitive, row.decided_by, row.dtypes_after, row.output_dtypes)].append(row)
+            key = (row.scope, row.primitive, row.decided_by, row.dtypes_after, row.output_dtypes, row.detail)
+            groups[key].append(row)
         header = ("scope", "primitive", "count", "decided by", "operands", "out", "casts", "FLOPs")
+        notes = any(row.detail for row in self.rows)
+        if notes:
+            header += ("notes",)
         lines = [header]
-        for (scope, prim, decided, after, out), rows in groups.items():
+        for (scope, prim, decided, after, out, detail), rows in groups.items():
             flops = sum(r.flops for r in rows)
             lines.append((
                 scope or "-", prim, str(sum(r.trip_count for r in rows)), decided,
                 ",".join(after) or "-", ",".join(out), str(sum(r.casts for r in rows)),
-                _si(flops) if flops else "",
+                _si(flops) if flops else "", *((detail,) if notes else ()),
             ))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         table = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
@@ -207,6 +268,11 @@ class AmpReport:
             f"{self.kept_full_by_rule} equations kept in float32 by rule, "
             f"{self.kept_full_by_amp_stop} inside amp_stop."
         )
+        if self.fp8_recipe is not None:
+            summary += (
+                f" float8 (current scaling): {self.fp8_flop_fraction:.1%} of matmul FLOPs; "
+                f"{len(self.kept_out_of_fp8)} equation(s) with matmuls kept out of it (see notes)."
+            )
         return summary + "\n" + table
 
 
@@ -223,19 +289,26 @@ def explain(fn: Callable, **amp_options: Any) -> Callable[..., AmpReport]:
     Args:
         fn: the function, as you would pass it to `amp`.
         **amp_options: `amp`'s keyword arguments (``compute_dtype``,
-            ``amp_policy``, ``policy``).
+            ``amp_policy``, ``policy``). With ``compute_dtype="fp8"`` (or an
+            `Fp8Recipe`) each matmul row's `AmpRow.detail` gives its float8
+            formats and scaling, or why it stayed out of float8, and the
+            report its `AmpReport.fp8_flop_fraction`.
 
     Returns:
         A function taking `fn`'s arguments and returning an `AmpReport`.
     """
     options = AmpOptions.resolve(**amp_options)
     _check_callable(fn, "explain")
+    fp8 = options.fp8 is not None
 
     @functools.wraps(fn)
     def report(*args, **kwargs) -> AmpReport:
         events: list[EquationEvent] = []
-        jax.eval_shape(lambda a, k: options.run(fn, a, k, observer=events.append), args, kwargs)
-        return AmpReport(tuple(_row(e) for e in events), dtype_short_name(options.compute_dtype))
+        # Filtered: arguments may hold non-arrays (an Equinox module's activation
+        # function), which amp treats as static.
+        eqx.filter_eval_shape(lambda a, k: options.run(fn, a, k, observer=events.append), args, kwargs)
+        rows = tuple(_row(e, fp8) for e in events)
+        return AmpReport(rows, dtype_short_name(options.compute_dtype), options.fp8)
 
     return report
 

@@ -79,11 +79,19 @@ def parse_dtype(value: str) -> np.dtype:
         ) from None
 
 
+# Names diagnostics show for the float8 formats of amp's fp8 mode. Not parsed:
+# no compute dtype or policy is float8 (fp8 mode is named "fp8", see `jaxamp._fp8`).
+_FLOAT8_SHORT_NAMES: dict[np.dtype, str] = {
+    np.dtype(jnp.float8_e4m3fn): "e4m3",
+    np.dtype(jnp.float8_e5m2): "e5m2",
+}
+
+
 def dtype_short_name(dtype: Any) -> str:
-    """The short name of a floating dtype (``"f32"``, ``"bf16"``...), or its numpy name."""
+    """The short name of a floating dtype (``"f32"``, ``"bf16"``, ``"e4m3"``...), or its numpy name."""
     dtype = np.dtype(dtype)
     names = _DTYPE_NAMES.get(dtype)
-    return names[0] if names else dtype.name
+    return names[0] if names else _FLOAT8_SHORT_NAMES.get(dtype, dtype.name)
 
 
 def is_castable(dtype: Any) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -25,7 +25,15 @@ from ._rules import PolicyTable, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
 from ._statistics import plan_statistics
 
-__all__ = ["HANDLERS", "AmpContext", "EquationEvent", "Handler", "interpret", "register"]
+__all__ = [
+    "HANDLERS",
+    "AmpContext",
+    "EquationEvent",
+    "EquationRewrite",
+    "Handler",
+    "interpret",
+    "register",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +50,7 @@ class EquationEvent:
     outputs: tuple[Any, ...]
     trip_count: int
     call_sites: tuple[Any, ...] = ()  # enclosing higher-order equations, outermost first
+    detail: str = ""  # what an equation-rewriting rule did, or why it declined
 
     @property
     def user_frame(self) -> Any:
@@ -56,6 +65,31 @@ class EquationEvent:
             if frame is not None:
                 return frame
         return None
+
+
+class EquationRewrite(NamedTuple):
+    """An equation-rewriting rule's answer for one equation.
+
+    A rule object may define, besides the rule signature,
+    ``rewrite_equation(compute_dtype, original_dtypes, eqn, *invars, **bind_params)``
+    returning one of these; amp asks it before calling the rule. It is for a
+    rule that must replace the equation, not only cast its operands (fp8 mode
+    quantises both operands, runs the matmul in float8 and rescales, see
+    `jaxamp._fp8`). A rule object may also define ``for_program(jaxpr) -> rule``:
+    amp calls it once per amp'd program, with the program's jaxpr, and uses
+    the rule it returns for that program.
+
+    Attributes:
+        fn: ``fn(*invars) -> outputs`` (a list for multiple-result primitives),
+            computed in place of the equation; None: the rule declines and amp
+            calls it as an ordinary rule.
+        operand_dtypes: the dtypes `fn` runs the operands in, for diagnostics.
+        detail: what the rule did, or why it declined, for diagnostics.
+    """
+
+    fn: Callable[..., Any] | None
+    operand_dtypes: tuple[Any, ...]
+    detail: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +194,8 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         write(v, value)
     for v, value in zip(jaxpr.invars, args, strict=True):
         write(v, value)
+    if not ctx.call_sites:  # the amp'd program itself, not a body inside it
+        ctx = _for_program(ctx, jaxpr)
 
     given = ctx.statistics_inputs
     plan = plan_statistics(jaxpr, *(given[1] if given is not None and given[0] is jaxpr else ()))
@@ -182,6 +218,20 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         for v, value in zip(eqn.outvars, outvals, strict=True):
             write(v, value)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _for_program(ctx: AmpContext, jaxpr: Any) -> AmpContext:
+    # Rules that decide by the whole program (see `EquationRewrite`). The new
+    # table is part of the key of amp's cache of rewritten bodies, so a body
+    # rewritten for one program is not reused for another.
+    specialised = {
+        key: rule.for_program(jaxpr)
+        for key, rule in ctx.policy.items()
+        if hasattr(rule, "for_program")
+    }
+    if not specialised:
+        return ctx
+    return dataclasses.replace(ctx, policy=PolicyTable({**ctx.policy, **specialised}))
 
 
 def _run_handler(
@@ -257,12 +307,19 @@ def _apply_rule(
         choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic)
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
-    new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)
     before = tuple(dtype_of(x) for x in invals)
-    after = tuple(dtype_of(x) for x in new_invals)
-    if not force_original:  # a handler that failed has warned already
-        _warn_if_moved_back(eqn, choice, params, before, after, ctx.compute_dtype)
-    outvals = eqn.primitive.bind(*new_invals, **new_params)
+    rewrite = None
+    if hasattr(choice.rule, "rewrite_equation"):
+        rewrite = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *invals, **params)
+    if rewrite is not None and rewrite.fn is not None:
+        new_invals, after = invals, tuple(rewrite.operand_dtypes)
+        outvals = rewrite.fn(*invals)
+    else:
+        new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)
+        after = tuple(dtype_of(x) for x in new_invals)
+        if not force_original:  # a handler that failed has warned already
+            _warn_if_moved_back(eqn, choice, params, before, after, ctx.compute_dtype)
+        outvals = eqn.primitive.bind(*new_invals, **new_params)
     if ctx.observer is not None:
         outs = tuple(outvals) if eqn.primitive.multiple_results else (outvals,)
         ctx.observer(
@@ -277,6 +334,7 @@ def _apply_rule(
                 outputs=outs,
                 trip_count=ctx.trip_count,
                 call_sites=ctx.call_sites,
+                detail=rewrite.detail if rewrite is not None else "",
             )
         )
     return outvals

@@ -34,7 +34,7 @@ def test_digits_amp_trains_all_modes(tmp_path):
     digits_amp = _load_example("digits_amp")
     out = digits_amp.main(["--steps", "40", "--out", str(tmp_path), "--patience", "10"])
     runs = out["runs"]
-    assert set(runs) == {"float32", "amp bf16", "amp f16 + loss scaling"}
+    assert set(runs) == {"float32", "amp bf16", "amp f16 + loss scaling", "amp fp8"}
     for name, r in runs.items():
         assert len(r.losses) == 40, name
         assert all(math.isfinite(x) for x in r.losses[-10:]), name

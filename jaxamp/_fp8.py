@@ -1,0 +1,423 @@
+"""float8 matmuls: amp's ``compute_dtype="fp8"`` mode.
+
+fp8 mode is bf16 mode with float8 matmuls: amp computes in bfloat16, and the
+table entries of the matmul primitives (``dot_general``, ``ragged_dot_general``,
+``conv_general_dilated``) that run in compute precision become `Fp8MatmulRule`.
+That rule replaces each matmul it accepts with a scaled float8 matmul, the
+"current scaling" recipe of Transformer Engine's ``Float8CurrentScaling`` and
+torchao's tensorwise dynamic scaling:
+
+* forward: each operand ``x`` gets ``scale = amax(|x|) / 448`` (amax in float32,
+  from the live tensor; 1 for a zero tensor), is quantised as ``x / scale``
+  saturated to e4m3's ±448, and the matmul of the two float8_e4m3fn operands
+  accumulates in float32; the result, times both scales, goes on in bfloat16;
+* backward (a `jax.custom_vjp`, so that JAX's transpose cannot choose the
+  formats): the incoming cotangent is quantised the same way to float8_e5m2
+  (wider range, ±57344) and meets the saved e4m3 operands in the gradient
+  matmuls, again accumulating in float32. Convolutions need one dtype on both
+  sides, so their gradient convolutions run e4m3 x e4m3 (see `_COTANGENT_FORMAT`).
+
+Matmuls it does not accept (non-float operands, too small, the program's last
+one when asked) run in bfloat16, with the reason recorded for `jaxamp.explain`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _compat
+from ._casting import dtype_of
+from ._dtypes import dtype_short_name, is_castable
+from ._interpreter import HANDLERS, EquationRewrite
+from ._rules import _COMPUTE_PRIMITIVES, PolicyTable, Rule, use_compute_precision
+
+__all__ = [
+    "FP8_NAMES",
+    "MATMUL_NAMES",
+    "Fp8MatmulRule",
+    "Fp8Recipe",
+    "as_recipe",
+    "bodies",
+    "contraction_size",
+    "formats",
+    "matmuls_in",
+    "quantize",
+    "with_fp8_matmuls",
+]
+
+FP8_NAMES = ("fp8", "float8")
+"""The `compute_dtype` names of fp8 mode (case and surrounding spaces ignored)."""
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+_F32 = np.dtype(jnp.float32)
+
+# The matmuls fp8 mode moves: the default table's compute list.
+MATMUL_NAMES = frozenset(_COMPUTE_PRIMITIVES)
+
+# The cotangent's format in the gradient matmuls, by primitive (e5m2 unless
+# listed); the saved operands are e4m3. A convolution takes one dtype for both
+# operands, and e4m3 on both sides halved the gradient error of e5m2 on both
+# sides on the digits CNN's convolutions (figures in README "## float8"): with
+# a scale taken from the live cotangent, e5m2's extra range is not needed for
+# its largest values, and its 2 mantissa bits cost more than e4m3's 3.
+_COTANGENT_FORMAT = {"conv_general_dilated": E4M3}
+
+# Primitives JAX's transpose of a matmul may wrap around the transposed matmul
+# (`_transpose_programs` checks for nothing else): they move float8 values
+# without converting them.
+_LAYOUT_PRIMITIVES = frozenset(
+    {"reshape", "transpose", "rev", "broadcast_in_dim", "squeeze", "expand_dims"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """The choices of amp's float8 mode: pass as ``amp(fn, compute_dtype=Fp8Recipe(...))``.
+
+    ``compute_dtype="fp8"`` (or ``"float8"``) is ``Fp8Recipe()``. Scaling is
+    always "current": each operand's scale comes from its own amax in the same
+    step, so there is no scaling state to carry between steps.
+
+    Attributes:
+        min_flops: matmuls of fewer FLOPs (``2 * M * N * K`` per call, from the
+            shapes) stay in bfloat16. Quantising costs two passes over each
+            operand, which only a large enough matmul earns back; where that
+            crossover lies depends on the GPU and was not measured here, so the
+            default, 0, keeps no matmul out on this ground (see README "## float8").
+        min_contraction: matmuls whose contraction (summed-over) size is
+            smaller stay in bfloat16. Default 16: below it float8 gains no
+            speed (float8 GEMMs take dimensions in multiples of 16) and each
+            output sums too few products to average out e4m3's rounding. For
+            a convolution the contraction is input features per group times
+            the kernel window.
+        keep_last_matmul_bf16: keep the forward program's last matmul, in
+            program order, in bfloat16: usually the logits projection, whose
+            errors go straight into the loss. Program order
+            counts a call's body (a jit'd function, a scan, a cond's branches,
+            in order) where the call is, and a body amp shares between calls
+            runs the same way at each. The forward program is the one amp
+            traces, so put amp inside `jax.grad`, not around it. Under
+            `jax.grad` a function with a custom derivative
+            (`jax.custom_vjp`, `jax.custom_jvp`) runs its derivative rule,
+            traced apart from the program, so a last matmul inside one is
+            not found: pin that function's scope instead,
+            ``{"head": jaxamp.use_precision("bf16")}``.
+
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: a negative ``min_flops`` or a ``min_contraction`` below 1.
+    """
+
+    min_flops: int = 0
+    min_contraction: int = 16
+    keep_last_matmul_bf16: bool = False
+
+    def __post_init__(self) -> None:
+        for name, least in (("min_flops", 0), ("min_contraction", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(
+                    f"Fp8Recipe.{name} must be an int, got {value!r} ({type(value).__name__})."
+                )
+            if value < least:
+                raise ValueError(f"Fp8Recipe.{name} must be at least {least}, got {value}.")
+        if not isinstance(self.keep_last_matmul_bf16, (bool, np.bool_)):
+            raise TypeError(
+                f"Fp8Recipe.keep_last_matmul_bf16 must be a bool, got "
+                f"{self.keep_last_matmul_bf16!r} ({type(self.keep_last_matmul_bf16).__name__})."
+            )
+
+
+def as_recipe(compute_dtype: Any) -> Fp8Recipe | None:
+    """The `Fp8Recipe` a `compute_dtype` argument asks for, or None if it names no fp8 mode.
+
+    Args:
+        compute_dtype: an `Fp8Recipe`, one of `FP8_NAMES`, or anything else
+            (a dtype or dtype name, which the caller validates).
+
+    Returns:
+        The recipe (``Fp8Recipe()`` for a name), or None.
+    """
+    if isinstance(compute_dtype, Fp8Recipe):
+        return compute_dtype
+    if isinstance(compute_dtype, str) and compute_dtype.strip().lower() in FP8_NAMES:
+        return Fp8Recipe()
+    return None
+
+
+# --- quantisation and the scaled matmul ----------------------------------------
+
+
+def quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
+    """Quantise `x` to the float8 format `fmt` with a per-tensor current scale.
+
+    Args:
+        x: a float32, bfloat16 or float16 array.
+        fmt: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+
+    Returns:
+        ``(q, scale)``: `q` in `fmt` with ``q * scale ≈ x``, and the float32
+        scalar ``scale = amax(|x|) / max(fmt)``. A zero tensor (or one whose
+        scale underflows float32) gets scale 1. A non-finite amax gives a
+        non-finite scale, so the matmul's result is non-finite too: a loss
+        scaler or `jaxamp.skip_nonfinite_updates` sees the step as bad, where
+        saturating an inf to the format's maximum would hide it.
+    """
+    fmax = np.float32(jnp.finfo(fmt).max)
+    x32 = lax.convert_element_type(x, _F32)
+    # lax, not jnp: each jnp helper would add a nested jit to every matmul.
+    amax = lax.reduce_max(lax.abs(x32), tuple(range(x32.ndim)))  # -inf if empty
+    scale = amax / fmax
+    # `scale > 0` is false for a NaN scale too: x then keeps its NaNs.
+    scale = lax.select(scale > 0, scale, np.float32(1.0))
+    q = lax.clamp(-fmax, x32 / scale, fmax)
+    return lax.convert_element_type(q, fmt), scale
+
+
+def _params_key(params: Mapping[str, Any]) -> Any:
+    try:
+        key = tuple(sorted(params.items()))
+        hash(key)
+        return key
+    except TypeError:  # an unhashable parameter: trace the transposes uncached
+        return None
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_transposes(primitive, params_key, lhs_shape, rhs_shape, rest_avals):
+    return _trace_transposes(primitive, dict(params_key), lhs_shape, rhs_shape, rest_avals)
+
+
+def _transpose_programs(primitive, params, lhs_shape, rhs_shape, rest_avals):
+    """JAX's own transposes of a matmul, traced with float32 stand-ins.
+
+    Returns:
+        ``(dgrad, wgrad)``, closed jaxprs of ``dgrad(rhs, g, *rest) -> d_lhs``
+        and ``wgrad(lhs, g, *rest) -> d_rhs``. Evaluated on float8 operands
+        they run the transposed matmul in float8, since (checked here) they
+        only reshape, transpose or reverse their inputs around it: the
+        dimension numbers, paddings and feature groups of every matmul's
+        gradient stay JAX's.
+
+    Raises:
+        NotImplementedError: JAX's transpose binds anything else (a JAX
+            release that changed it), which could convert the float8 operands.
+    """
+    key = _params_key(params)
+    if key is None:
+        return _trace_transposes(primitive, params, lhs_shape, rhs_shape, rest_avals)
+    return _cached_transposes(primitive, key, lhs_shape, rhs_shape, rest_avals)
+
+
+def _trace_transposes(primitive, params, lhs_shape, rhs_shape, rest_avals):
+    lhs = jax.ShapeDtypeStruct(lhs_shape, _F32)
+    rhs = jax.ShapeDtypeStruct(rhs_shape, _F32)
+    rest = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in rest_avals]
+    matmul = functools.partial(primitive.bind, **params)
+    g = jax.eval_shape(matmul, lhs, rhs, *rest)
+
+    def dgrad(r, g, *rest):
+        return jax.linear_transpose(lambda l: matmul(l, r, *rest), lhs)(g)[0]
+
+    def wgrad(l, g, *rest):
+        return jax.linear_transpose(lambda r: matmul(l, r, *rest), rhs)(g)[0]
+
+    programs = jax.make_jaxpr(dgrad)(rhs, g, *rest), jax.make_jaxpr(wgrad)(lhs, g, *rest)
+    for program in programs:
+        other = {e.primitive.name for e in program.jaxpr.eqns} - _LAYOUT_PRIMITIVES - {primitive.name}
+        if other:
+            # A converting op would silently run the gradient matmul in float32.
+            raise NotImplementedError(
+                f"jaxamp's float8 backward reuses JAX's transpose of {primitive.name}, "
+                f"which on JAX {jax.__version__} also binds {sorted(other)}; jaxamp only "
+                "knows transposes that reshape, transpose or reverse. Please report this."
+            )
+    return programs
+
+
+def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
+    """``f(lhs, rhs, *rest)``: the matmul in float8 with current scaling (see the module doc).
+
+    Args:
+        primitive, params: the matmul equation's primitive and bind parameters.
+        lhs_dtype, rhs_dtype: the operands' dtypes as amp holds them, which
+            their cotangents must have.
+        out_dtype: the dtype the result is handed on in (amp's compute dtype).
+    """
+    params = dict(params, preferred_element_type=_F32)
+    cotangent_format = _COTANGENT_FORMAT.get(primitive.name, E5M2)
+
+    def forward(lhs, rhs, *rest):
+        q_lhs, s_lhs = quantize(lhs, E4M3)
+        q_rhs, s_rhs = quantize(rhs, E4M3)
+        out = primitive.bind(q_lhs, q_rhs, *rest, **params)
+        return (out * (s_lhs * s_rhs)).astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs, rest)
+
+    @jax.custom_vjp
+    def matmul(lhs, rhs, *rest):
+        return forward(lhs, rhs, *rest)[0]
+
+    def backward(residuals, g):
+        q_lhs, s_lhs, q_rhs, s_rhs, rest = residuals
+        dgrad, wgrad = _transpose_programs(
+            primitive, params, q_lhs.shape, q_rhs.shape, tuple((r.shape, r.dtype) for r in rest)
+        )
+        q_g, s_g = quantize(g, cotangent_format)
+        (d_lhs,) = _compat.jaxpr_as_fun(dgrad)(q_rhs, q_g, *rest)
+        (d_rhs,) = _compat.jaxpr_as_fun(wgrad)(q_lhs, q_g, *rest)
+        # Integer operands (a ragged dot's group sizes) get no cotangent.
+        return (
+            (d_lhs * (s_g * s_rhs)).astype(lhs_dtype),
+            (d_rhs * (s_g * s_lhs)).astype(rhs_dtype),
+            *(None for _ in rest),
+        )
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def formats(primitive_name: str) -> str:
+    """How fp8 mode runs a matmul of `primitive_name`, for diagnostics."""
+    cotangent = dtype_short_name(_COTANGENT_FORMAT.get(primitive_name, E5M2))
+    return f"float8 e4m3 x e4m3 -> f32; backward {cotangent} x e4m3 -> f32; scaling: current"
+
+
+# --- the rule -----------------------------------------------------------------
+
+
+def contraction_size(eqn: Any) -> int:
+    """How many products each output element of a matmul equation sums."""
+    name = eqn.primitive.name
+    if name == "conv_general_dilated":
+        kernel = eqn.invars[1].aval.shape
+        return math.prod(kernel) // kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
+    if name == "ragged_dot_general":
+        dimension_numbers = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+    else:
+        dimension_numbers = eqn.params["dimension_numbers"]
+    (lhs_contract, _), _ = dimension_numbers
+    lhs = eqn.invars[0].aval.shape
+    return math.prod(lhs[d] for d in lhs_contract)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8MatmulRule:
+    """The table entry of a matmul primitive in fp8 mode.
+
+    Called as an ordinary rule (the seed signature), it runs the matmul in
+    compute precision (bfloat16), as `use_compute_precision`: that is what a
+    matmul it keeps out of float8 gets. Its `rewrite_equation` is what amp's
+    interpreter asks first (see `jaxamp._interpreter.EquationRewrite`).
+
+    Attributes:
+        recipe: the fp8 options.
+        last_matmul: the equation `for_program` found to be the program's last
+            matmul (compared by identity), when the recipe keeps it in bf16.
+    """
+
+    recipe: Fp8Recipe
+    last_matmul: Any = None
+
+    def __call__(self, compute_dtype, original_dtypes, *invars, **bind_params):
+        return use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)
+
+    def for_program(self, jaxpr: Any) -> Fp8MatmulRule:
+        """This rule for one amp'd program: it knows the program's last matmul.
+
+        Each program gets its own rule object, so amp's cache of rewritten
+        bodies (keyed on the table) never serves one program's decision to another.
+        """
+        if not self.recipe.keep_last_matmul_bf16:
+            return self
+        last = None
+        for last in matmuls_in(jaxpr, rewritten_only=True):
+            pass
+        return dataclasses.replace(self, last_matmul=last)
+
+    def rewrite_equation(
+        self, compute_dtype, original_dtypes, eqn, *invars, **bind_params
+    ) -> EquationRewrite:
+        """Replace a matmul equation by the scaled float8 matmul, or say why not."""
+        reason = self._keep_out(original_dtypes, eqn)
+        if reason:
+            return EquationRewrite(None, (), f"kept {dtype_short_name(compute_dtype)}: {reason}")
+        lhs, rhs, *rest = invars
+        fn = _scaled_matmul(eqn.primitive, bind_params, dtype_of(lhs), dtype_of(rhs), compute_dtype)
+        operand_dtypes = (E4M3, E4M3, *(dtype_of(x) for x in rest))
+        return EquationRewrite(fn, operand_dtypes, formats(eqn.primitive.name))
+
+    def _keep_out(self, original_dtypes, eqn) -> str:
+        """Why the matmul stays in compute precision, or ``""``."""
+        operands = original_dtypes[:2]
+        if not all(is_castable(d) for d in operands):
+            names = " x ".join(dtype_short_name(d) for d in operands)
+            return f"{names} operands (float8 takes float32, bfloat16 or float16)"
+        if eqn is self.last_matmul:
+            return "the program's last matmul (keep_last_matmul_bf16)"
+        contraction, least = contraction_size(eqn), self.recipe.min_contraction
+        if contraction < least:
+            return f"contraction size {contraction} < min_contraction {least}"
+        flops = _equation_flops(eqn)
+        if flops < self.recipe.min_flops:
+            return f"{flops} FLOPs < min_flops {self.recipe.min_flops}"
+        return ""
+
+
+def _equation_flops(eqn: Any) -> int:
+    # Imported here: `_diagnostics` imports `_amp`, which imports this module.
+    from ._diagnostics import equation_flops
+
+    return equation_flops(eqn)
+
+
+def matmuls_in(jaxpr: Any, *, rewritten_only: bool = False) -> Iterator[Any]:
+    """The matmul equations of `jaxpr` in program order, those of nested bodies included.
+
+    A body (a jit'd function, a loop body, a cond's branches in order, a
+    custom rule's primal, a Pallas kernel) is walked where its equation stands.
+
+    Args:
+        jaxpr: an open or closed jaxpr.
+        rewritten_only: enter only the bodies amp rewrites (those of
+            primitives with a handler), not a Pallas kernel's.
+    """
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if eqn.primitive.name in MATMUL_NAMES:
+            yield eqn
+        if rewritten_only and eqn.primitive not in HANDLERS:
+            continue
+        for body in bodies(eqn):
+            yield from matmuls_in(body, rewritten_only=rewritten_only)
+
+
+def bodies(eqn: Any) -> Iterator[Any]:
+    """The jaxprs an equation carries in its parameters, in parameter order."""
+    for value in eqn.params.values():
+        for body in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(body, (_compat.Jaxpr, _compat.ClosedJaxpr)):
+                yield body
+
+
+def with_fp8_matmuls(table: Mapping[Any, Rule], recipe: Fp8Recipe) -> PolicyTable:
+    """`table` with its matmul primitives' compute-precision entries replaced by `Fp8MatmulRule`.
+
+    Entries the user changed (a matmul primitive mapped to another rule, any
+    scope) keep their meaning: only where the table says "this matmul runs in
+    compute precision" does fp8 mode say "in float8".
+    """
+    rule = Fp8MatmulRule(recipe)
+    by_name = _compat.primitives_by_name()
+    primitives = [by_name[name] for name in MATMUL_NAMES if name in by_name]
+    return PolicyTable(
+        {**table, **{p: rule for p in primitives if table.get(p) is use_compute_precision}}
+    )
