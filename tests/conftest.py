@@ -9,3 +9,14 @@ import os
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+
+import pytest  # noqa: E402  (after the XLA flag above)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """amp warns once per primitive per process: each test hears its own."""
+    from jaxamp import _interpreter
+
+    monkeypatch.setattr(_interpreter, "_warned", set())

@@ -322,14 +322,6 @@ def test_unknown_primitive_runs_at_original_precision():
     np.testing.assert_allclose(amp(f)(W, X), f(W, X), rtol=1e-2, atol=1e-2)
 
 
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """amp warns once per primitive per process: forget what was said so far."""
-    from jaxamp import _interpreter
-
-    monkeypatch.setattr(_interpreter, "_warned", set())
-
-
 def _tanh_after_matmul(w, x):
     return jnp.tanh(x @ w) * 2.0
 

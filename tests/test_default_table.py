@@ -30,13 +30,9 @@ RNG = np.random.default_rng(0)
 pytestmark = [
     pytest.mark.filterwarnings("error:amp policy table:UserWarning"),
     pytest.mark.filterwarnings("error:jaxamp has no handler:UserWarning"),
+    pytest.mark.usefixtures("fresh_warnings"),
 ]
 
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    """amp warns once per primitive per process: each test hears its own."""
-    monkeypatch.setattr(_interpreter, "_warned", set())
 
 
 def uniform(lo, hi, shape):

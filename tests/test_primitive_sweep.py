@@ -80,13 +80,9 @@ ALGORITHM_ULPS = 64
 pytestmark = [
     pytest.mark.filterwarnings("error:amp policy table:UserWarning"),
     pytest.mark.filterwarnings("error:jaxamp has no handler:UserWarning"),
+    pytest.mark.usefixtures("fresh_warnings"),
 ]
 
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    """amp warns once per primitive per process: each case hears its own."""
-    monkeypatch.setattr(_interpreter, "_warned", set())
 
 
 # Fixed inputs: the same every run, so a pass is not luck of the draw.
