@@ -1,6 +1,8 @@
 """A GPT-style character model trained in float32 and under `jaxamp.amp` bf16, side by side.
 
-    python examples/char_lm.py [--steps 300] [--print-every 20]
+    python examples/char_lm.py [--steps 300] [--print-every 20] [--modes float32,"amp bf16"]
+    python examples/char_lm.py --modes "amp bf16,bf16 stochastic,bf16 kahan,bf16 nearest" \
+        --plot curves.png
 
 The corpus is the Python standard library's own source (the ``*.py`` files next
 to `os`), so every machine has it and nothing is downloaded; characters are
@@ -8,10 +10,13 @@ bytes (a vocabulary of 256). The model is `benchmarks.models.GPT`: pre-norm
 blocks with causal attention and layer norm, stacked and run under
 `jax.lax.scan` with each block in `jax.checkpoint`.
 
-Both runs start from the same weights and see the same batches; the only
-difference is ``jaxamp.amp(loss, compute_dtype="bf16")``. Every ``--print-every``
-steps the training and validation losses are printed next to each other, and at
-the end each model continues a few prompts.
+By default two runs start from the same weights and see the same batches; the
+only difference is ``jaxamp.amp(loss, compute_dtype="bf16")``. ``--modes`` picks
+other runs: the ``bf16 ...`` modes also store the parameters and AdamW's state
+in bfloat16 with `jaxamp.optim` (see `benchmarks.optimizer_memory.PRECISIONS`),
+rounding stochastically, with a Kahan buffer, or to nearest. Every
+``--print-every`` steps the training and validation losses are printed next to
+each other, and at the end each model continues a few prompts.
 """
 
 from __future__ import annotations
@@ -31,9 +36,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `benchmarks.
 
 import jaxamp  # noqa: E402
 from benchmarks.models import GPT, GPTConfig, lm_loss  # noqa: E402
+from benchmarks.optimizer_memory import PRECISIONS, clipped_adamw  # noqa: E402
 
-MODES = {"float32": None, "amp bf16": "bf16"}
-"""Run name -> amp compute dtype (None: no amp)."""
+MODES = {
+    "float32": (None, "float32"),
+    "amp bf16": ("bf16", "float32"),
+    "bf16 stochastic": ("bf16", "bf16 stochastic"),
+    "bf16 kahan": ("bf16", "bf16 kahan"),
+    "bf16 nearest": ("bf16", "bf16 nearest"),
+}
+"""Run name -> (amp compute dtype or None for no amp, storage: a `PRECISIONS` key)."""
+
+DEFAULT_MODES = ("float32", "amp bf16")
+REFERENCE = "amp bf16"
+"""The run the bf16-storage runs are compared with: float32 storage, same compute."""
 
 PROMPTS = ("def ", "import ", "class ")
 
@@ -70,7 +86,9 @@ def make_train_step(compute_dtype: str | None, optimizer: optax.GradientTransfor
     def step(model, opt_state, tokens, targets):
         value, grads = eqx.filter_value_and_grad(loss)(model, tokens, targets)
         updates, opt_state = optimizer.update(grads, opt_state, model)
-        return eqx.apply_updates(model, updates), opt_state, value
+        # optax's apply_updates casts back to each parameter's dtype (bf16 ones
+        # stay bf16); equinox's would return float32. Every leaf of GPT is an array.
+        return optax.apply_updates(model, updates), opt_state, value
 
     return step, eqx.filter_jit(loss)
 
@@ -119,7 +137,8 @@ _OPTIONS = (
     ("--lr", 3e-3, "peak AdamW learning rate"),
     ("--corpus-bytes", 2_000_000, "bytes of standard-library source to train on"),
     ("--sample-chars", 80, "bytes sampled per prompt at the end"),
-    ("--seed", 0, "seed of initialisation, batches and sampling"),
+    ("--val-size", 64, "validation sequences (the same ones every evaluation)"),
+    ("--seed", 0, "seed of initialisation, batches, sampling and stochastic rounding"),
 )
 
 
@@ -132,17 +151,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(
             flag, type=type(default), default=default, help=f"{meaning} (default: {default:g})"
         )
+    parser.add_argument(
+        "--modes",
+        type=_modes,
+        default=DEFAULT_MODES,
+        help=f"comma-separated runs, of: {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
+    )
+    parser.add_argument("--plot", type=Path, default=None, help="save the loss curves to this PNG")
     return parser.parse_args(argv)
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    unknown = [name for name in names if name not in MODES]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"modes must be distinct names among {', '.join(MODES)}; got {text!r}"
+        )
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Train both runs, print the comparison and samples; return the results.
+    """Train the runs of ``--modes``, print the comparison and samples; return the results.
 
     Returns:
         ``{"train_loss": {mode: [per step]}, "val_loss": {mode: [per print]},
-        "samples": {mode: [text per prompt]}, "step_seconds": {mode: mean}}``.
+        "val_steps": [step of each val_loss entry], "samples": {mode: [text per
+        prompt]}, "step_seconds": {mode: mean}}``.
     """
     args = parse_args(argv)
+    modes = {name: MODES[name] for name in args.modes}
     data = load_corpus(args.corpus_bytes)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
@@ -158,25 +196,33 @@ def main(argv: list[str] | None = None) -> dict:
     init = GPT(config, key=jax.random.key(args.seed))
     warmup = max(args.steps // 10, 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps)
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
-    )
+    optimizer = clipped_adamw(schedule)
     runs = {}
-    for name, dtype in MODES.items():
-        step, loss = make_train_step(dtype, optimizer)
-        runs[name] = {"model": init, "opt_state": optimizer.init(init), "step": step, "loss": loss}
+    for name, (dtype, storage) in modes.items():
+        precision = PRECISIONS[storage]
+        # Every mode draws its stochastic rounding from the same seed.
+        wrapped = precision.wrap(optimizer, jax.random.key(args.seed))
+        model = jaxamp.cast_floating(init, precision.param_dtype)
+        step, loss = make_train_step(dtype, wrapped)
+        runs[name] = {"model": model, "opt_state": wrapped.init(model), "step": step, "loss": loss}
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(init))
     print(
         f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; corpus {len(data):,} bytes of "
         f"stdlib source; model {n_params:,} parameters ({args.layers} layers, d={args.d_model})"
     )
     val_rng = np.random.default_rng(args.seed + 1)
-    val_tokens, val_targets = sample_batch(val_data, val_rng, 64, args.seq_len)
+    # Batches of 64 sequences (the first one is the whole default set).
+    val_batches = [
+        sample_batch(val_data, val_rng, min(64, args.val_size - start), args.seq_len)
+        for start in range(0, args.val_size, 64)
+    ]
     rng = np.random.default_rng(args.seed)
-    train_loss = {name: [] for name in MODES}
-    val_loss = {name: [] for name in MODES}
-    seconds = {name: [] for name in MODES}
-    header = "".join(f"{name + ' train/val':>24}" for name in MODES)
+    train_loss = {name: [] for name in modes}
+    val_loss = {name: [] for name in modes}
+    seconds = {name: [] for name in modes}
+    val_steps = []
+    width = max(24, 2 + max(len(name) for name in modes) + len(" train/val"))
+    header = "".join(f"{name + ' train/val':>{width}}" for name in modes)
     print(f"{'step':>6}{header}")
     for i in range(args.steps):
         tokens, targets = sample_batch(train_data, rng, args.batch_size, args.seq_len)
@@ -189,18 +235,28 @@ def main(argv: list[str] | None = None) -> dict:
                 seconds[name].append(time.perf_counter() - start)
             train_loss[name].append(float(loss))
         if (i + 1) % args.print_every == 0 or i + 1 == args.steps:
+            val_steps.append(i + 1)
             cells = []
             for name, run in runs.items():
-                val_loss[name].append(float(run["loss"](run["model"], val_tokens, val_targets)))
+                losses = [float(run["loss"](run["model"], *batch)) for batch in val_batches]
+                weights = [len(batch[0]) for batch in val_batches]
+                val_loss[name].append(float(np.average(losses, weights=weights)))
                 recent = np.mean(train_loss[name][-args.print_every :])
                 cells.append(f"{recent:>12.3f} / {val_loss[name][-1]:<8.3f}")
-            print(f"{i + 1:>6}" + "".join(f"{c:>24}" for c in cells), flush=True)
+            print(f"{i + 1:>6}" + "".join(f"{c:>{width}}" for c in cells), flush=True)
 
     print("\nmean step time: " + ", ".join(
         f"{name} {1e3 * np.mean(s):.1f} ms" for name, s in seconds.items() if s
     ))
+    print(f"final validation loss after {args.steps} steps: " + ", ".join(
+        f"{name} {losses[-1]:.4f}" + _gap(losses[-1], val_loss.get(REFERENCE), name)
+        for name, losses in val_loss.items()
+    ))
+    if args.plot is not None:
+        plot(train_loss, val_loss, val_steps, args.plot)
+        print(f"loss curves saved to {args.plot}")
     samples = {}
-    for name, dtype in MODES.items():
+    for name, (dtype, _) in modes.items():
         key = jax.random.key(args.seed)
         samples[name] = generate(runs[name]["model"], dtype, PROMPTS, args.sample_chars, key)
         print(f"\n--- samples from {name} ---")
@@ -209,11 +265,57 @@ def main(argv: list[str] | None = None) -> dict:
     return {
         "train_loss": train_loss,
         "val_loss": val_loss,
+        "val_steps": val_steps,
         "samples": samples,
         "step_seconds": {
             name: float(np.mean(s)) if s else float("nan") for name, s in seconds.items()
         },
     }
+
+
+def _gap(value: float, reference: list[float] | None, name: str) -> str:
+    if reference is None or name == REFERENCE:
+        return ""
+    return f" ({100 * (value / reference[-1] - 1):+.2f}% vs {REFERENCE})"
+
+
+def plot(train_loss: dict, val_loss: dict, val_steps: list[int], path: Path) -> None:
+    """Training (smoothed) and validation loss of every run, and the validation gap
+    to the reference run when it ran, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reference = val_loss.get(REFERENCE)
+    n_panels = 3 if reference is not None and len(val_loss) > 1 else 2
+    fig, axes = plt.subplots(1, n_panels, figsize=(5.5 * n_panels, 4))
+    ax_train, ax_val = axes[:2]
+    for name, losses in train_loss.items():
+        window = max(1, len(losses) // 30)
+        smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+        ax_train.plot(np.arange(window, len(losses) + 1), smooth, label=name)
+        ax_val.plot(val_steps, val_loss[name], marker=".", label=name)
+        if n_panels == 3:
+            gap = 100 * (np.array(val_loss[name]) / np.array(reference) - 1)
+            axes[2].plot(val_steps, gap, marker=".", label=name)
+    ax_train.set(title=f"training loss (mean of {window} steps)", xlabel="step", ylabel="loss")
+    ax_val.set(title="validation loss", xlabel="step", ylabel="loss")
+    # The interesting part is the end; the first steps fall from ln 256 = 5.5.
+    for ax, curves in ((ax_train, train_loss), (ax_val, val_loss)):
+        tail = [v for losses in curves.values() for v in losses[len(losses) // 4 :]]
+        if tail:
+            ax.set_ylim(min(tail) - 0.05, max(tail) + 0.1)
+    if n_panels == 3:
+        axes[2].set(title=f"validation loss vs {REFERENCE}", xlabel="step", ylabel="difference (%)")
+        axes[2].axhline(0, color="gray", lw=0.8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    ax_val.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,6 @@ from ._diagnostics import AmpReport, AmpRow, NonFiniteReport, explain, find_nonf
 
 __all__ += ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
 
-from . import sharding  # noqa: E402  (jaxamp.sharding after a plain `import jaxamp`)
+from . import optim, sharding  # noqa: E402  (jaxamp.optim, jaxamp.sharding after `import jaxamp`)
 
-__all__ += ["sharding"]
+__all__ += ["optim", "sharding"]

@@ -47,22 +47,29 @@ def test_digits_amp_trains_all_modes(tmp_path):
     assert out["plot"].exists() and out["plot"].stat().st_size > 0
 
 
-def test_char_lm_smoke():
+def test_char_lm_smoke(tmp_path):
     char_lm = _load_example("char_lm")
     argv = [
         "--steps", "3", "--print-every", "3", "--batch-size", "2", "--seq-len", "16",
         "--d-model", "16", "--layers", "2", "--heads", "2", "--corpus-bytes", "20000",
-        "--sample-chars", "4",
+        "--sample-chars", "4", "--modes", "float32,amp bf16,bf16 kahan",
+        "--plot", str(tmp_path / "curves.png"),
     ]  # fmt: skip
     out = char_lm.main(argv)
-    for mode in ("float32", "amp bf16"):
+    assert list(out["val_loss"]) == ["float32", "amp bf16", "bf16 kahan"]
+    assert out["val_steps"] == [3] and (tmp_path / "curves.png").stat().st_size > 0
+    for mode in ("float32", "amp bf16", "bf16 kahan"):
         assert len(out["train_loss"][mode]) == 3
         assert all(math.isfinite(x) for x in out["train_loss"][mode] + out["val_loss"][mode])
         # A prompt plus 4 sampled bytes (a byte may decode to U+FFFD).
         assert all(len(s) >= len("def ") + 1 for s in out["samples"][mode])
     # Same initialisation, same first batch: the first losses agree to bf16 accuracy.
-    first = [out["train_loss"][m][0] for m in ("float32", "amp bf16")]
-    assert first[0] == pytest.approx(first[1], rel=0.02)
+    first = [out["train_loss"][m][0] for m in ("float32", "amp bf16", "bf16 kahan")]
+    assert first[1] == pytest.approx(first[0], rel=0.02)
+    assert first[2] == pytest.approx(first[0], rel=0.02)
+    assert char_lm.parse_args([]).modes == ("float32", "amp bf16")  # the default runs
+    with pytest.raises(SystemExit):
+        char_lm.parse_args(["--modes", "amp bf16,bf16 rounding"])
 
 
 def test_matmul_flops_counts_scan_bodies_and_dtypes():
