@@ -18,7 +18,7 @@ from ._dtypes import canonical_compute_dtype
 from ._fp8 import FP8_NAMES, Fp8Recipe, as_recipe, with_fp8_matmuls
 from ._interpreter import AmpContext, interpret
 from ._casting import cast_value
-from ._rules import default_amp_policy, freeze
+from ._rules import PolicyTable, default_amp_policy, freeze
 
 __all__ = ["AmpOptions", "amp"]
 
@@ -92,7 +92,7 @@ class AmpOptions:
     compute_dtype: np.dtype
     table: Mapping[Any, Callable]
     output_dtype: np.dtype | None = None
-    fp8: Fp8Recipe | None = None  # fp8 mode's recipe; `table` already holds its matmul rules
+    fp8: Fp8Recipe | None = None  # fp8 mode's recipe: its matmul rules join the table per call
 
     @classmethod
     def resolve(
@@ -101,16 +101,22 @@ class AmpOptions:
         """Validate `amp`'s keyword arguments (see `amp`)."""
         compute, output_dtype, fp8 = _resolve_dtypes(compute_dtype, policy)
         table = _check_policy_table(default_amp_policy if amp_policy is None else amp_policy)
-        if fp8 is not None:
-            table = with_fp8_matmuls(table, fp8)
         return cls(compute, table, output_dtype, fp8)
+
+    def policy_table(self) -> PolicyTable:
+        """A snapshot of the table for one call (with fp8 mode's matmul rules).
+
+        Taken per call, not once in `resolve`: a table the user changes between
+        calls is seen afresh.
+        """
+        return freeze(self.table) if self.fp8 is None else with_fp8_matmuls(self.table, self.fp8)
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""
         closed, flat_args, num_outs, rebuild = _trace(fn, args, kwargs)
         ctx = AmpContext(
             compute_dtype=self.compute_dtype,
-            policy=freeze(self.table),
+            policy=self.policy_table(),
             scopes=_compat.ambient_scopes(),
             observer=observer,
             inline=inline,

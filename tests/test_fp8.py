@@ -481,3 +481,23 @@ def test_bad_recipe_fields(fields, error, match):
 def test_fp8_with_a_disagreeing_policy():
     with pytest.raises(ValueError, match=r"disagree.*fp8 mode computes in bf16"):
         amp(_two_layers, compute_dtype="fp8", policy="c=f16")
+
+
+def test_fp8_mode_sees_a_table_changed_between_calls():
+    # fp8 mode's matmul rules join the user's table at each call, so an edit of
+    # that table between calls takes effect (as in every other mode).
+    def f(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    w, x = jnp.full((32, 32), 0.1), jnp.ones((8, 32))
+    table = dict(jaxamp.default_amp_policy)
+    mixed = jaxamp.amp(f, compute_dtype="fp8", amp_policy=table)
+
+    def dot_dtypes():
+        # A fresh lambda per trace: JAX's own trace cache keys on the function.
+        jaxpr = jax.make_jaxpr(lambda w, x: mixed(w, x))(w, x)
+        return {v.aval.dtype for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general" for v in e.invars}
+
+    assert dot_dtypes() == {jnp.dtype(jnp.float8_e4m3fn)}
+    table[jax.lax.dot_general_p] = jaxamp.use_original_precision
+    assert dot_dtypes() == {jnp.dtype(jnp.float32)}
