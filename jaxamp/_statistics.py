@@ -54,7 +54,7 @@ OTHER, MOMENT, NORMALISER, CONSTANT = 0, 1, 2, 3
 # without combining them with others.
 _TRANSPARENT = frozenset(
     {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy",
-     "transpose", "reduce_precision", "pvary", "psum", "pmean", "psum_invariant"}
+     "transpose", "reduce_precision", "pvary", "psum", "psum_invariant"}
 )
 _ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min", "neg"})
 
