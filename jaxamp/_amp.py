@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _compat, _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
 from ._dtypes import canonical_compute_dtype
+from ._eager_cache import EagerCache
 from ._fp8 import FP8_NAMES, Fp8Recipe, as_recipe, with_fp8_matmuls
 from ._interpreter import AmpContext, interpret
 from ._casting import cast_value
@@ -45,6 +46,16 @@ def amp(
 
     Usable as ``amp(f)``, ``amp(f, compute_dtype="bf16")``, ``@amp`` and
     ``@amp(compute_dtype=jnp.bfloat16)``.
+
+    Called eagerly (outside ``jit``, ``grad``...), the mixed-precision function
+    keeps its rewritten program per call signature, as `jax.jit` keeps its
+    traces: the array arguments' shapes and dtypes, the other arguments by
+    value, the policy table's contents, the named scopes and JAX's
+    configuration. It runs equation by equation as eager JAX does; Python
+    state `fn` reads without taking it as an argument is fixed at the first
+    call of a signature, as under `jax.jit`. The cache (32 signatures, least
+    recently used first out) is the function's ``eager_cache`` attribute
+    (``hits``, ``misses``, ``maxsize``, ``clear()``).
 
     Args:
         fn: the function. Array leaves of its arguments are traced; everything
@@ -78,10 +89,13 @@ def amp(
             f"__call__ method), got {type(fn).__name__}: {fn!r:.100}."
         )
 
+    cache = EagerCache()
+
     @functools.wraps(fn)
     def amp_fn(*args, **kwargs):
-        return options.run(fn, args, kwargs)
+        return cache.call(options, fn, args, kwargs)
 
+    amp_fn.eager_cache = cache  # type: ignore[attr-defined]
     return amp_fn
 
 
@@ -114,7 +128,31 @@ class AmpOptions:
     def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""
         closed, flat_args, num_outs, rebuild = _trace(fn, args, kwargs)
-        ctx = AmpContext(
+        ctx = self._context(observer=observer, inline=inline)
+        # Re-emitted straight into the caller's trace (grad, vmap, an outer jit),
+        # like the user's own code: calls keep their jaxprs (see
+        # `_compat.trace_keeping_calls`), so JAX differentiates each distinct
+        # body once and source lines stay the user's.
+        return rebuild(self._evaluate(closed, flat_args, num_outs, ctx))
+
+    def rewrite(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Callable]:
+        """amp's program for ``fn(*args, **kwargs)`` as a jaxpr (what eager calls cache).
+
+        Returns:
+            ``(program, rebuild)``: a closed jaxpr taking the array leaves of
+            the arguments, and ``rebuild(outs)``, building `fn`'s output from
+            the program's outputs.
+        """
+        closed, flat_args, num_outs, rebuild = _trace(fn, args, kwargs)
+        ctx = self._context()
+        program = _compat.trace_keeping_calls(
+            lambda *flat: self._evaluate(closed, flat, num_outs, ctx),
+            [_compat.abstract_value(x) for x in flat_args],
+        )
+        return program, rebuild
+
+    def _context(self, observer=None, inline=False) -> AmpContext:
+        return AmpContext(
             compute_dtype=self.compute_dtype,
             policy=self.policy_table(),
             scopes=_compat.ambient_scopes(),
@@ -122,17 +160,14 @@ class AmpOptions:
             inline=inline,
         )
 
+    def _evaluate(self, closed: Any, flat_args: Any, num_outs: int, ctx: AmpContext) -> list:
         outs = interpret(closed.jaxpr, closed.consts, flat_args, ctx)
         outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
         if self.output_dtype is not None:
             # fn's own outputs only: state written back into flax nnx arguments
             # keeps its dtypes.
             outs[:num_outs] = [cast_value(x, self.output_dtype) for x in outs[:num_outs]]
-        # Re-emitted straight into the caller's trace (grad, vmap, an outer jit),
-        # like the user's own code: calls keep their jaxprs (see
-        # `_compat.trace_keeping_calls`), so JAX differentiates each distinct
-        # body once and source lines stay the user's.
-        return rebuild(outs)
+        return outs
 
 
 def _resolve_dtypes(

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex_core
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
@@ -56,6 +57,7 @@ __all__ = [
     "custom_jvp_subfuns",
     "custom_vjp_call_p",
     "custom_vjp_subfuns",
+    "eager_trace_context",
     "eqn_scopes",
     "eqn_source",
     "eqn_user_frame",
@@ -201,6 +203,22 @@ def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
 def ambient_scopes() -> tuple[str, ...]:
     """The named scopes active where the caller is running, outermost first."""
     return _scope_names(_source_info.current_name_stack())
+
+
+def eager_trace_context() -> Any:
+    """JAX's tracing configuration if the caller runs eagerly, else None.
+
+    The configuration (x64, matmul precision, axis environment...) is what
+    `jax.jit` keys its cache on besides the arguments; None when a JAX
+    transformation is active, or when this JAX moved these internals (amp then
+    simply does not cache eager calls).
+    """
+    try:
+        if not _core.trace_ctx.is_top_level():
+            return None
+        return _config.trace_context()
+    except _DRIFT_ERRORS:  # pragma: no cover - future JAX
+        return None
 
 
 @contextlib.contextmanager

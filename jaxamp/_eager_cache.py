@@ -1,0 +1,175 @@
+"""The trace cache of eager amp calls.
+
+Inside a transformation (``jit``, ``grad``, ``vmap``) amp's work is part of the
+caller's trace, which JAX caches. Called eagerly, ``amp(f)(x)`` would trace ``f``
+and rewrite its jaxpr on every call: four times the cost of calling ``f``
+eagerly for a small MLP. So, like `jax.jit`, an amp'd function keeps the
+rewritten program of each call signature and evaluates it equation by equation
+(eager semantics are unchanged: nothing is compiled that ``f`` would not
+compile itself).
+
+The key is what `jax.jit` keys its cache on: the structure of the arguments,
+the shape, dtype and weak type of each array leaf, the non-array leaves
+(static, compared by value and type), and JAX's tracing configuration (x64,
+matmul precision...). amp adds its own inputs: the compute and output dtypes,
+the policy table's contents (snapshotted per call, so a table changed between
+calls misses) and the named scopes around the call. As with `jax.jit`, Python
+state that ``f`` reads without taking it as an argument (a global, an attribute
+of a closed-over object) is baked in at the first call of a signature.
+
+Not cached: calls with an unhashable static argument, calls made under a JAX
+transformation (their trace is cached by the transformation), and programs that
+have imported `flax.nnx` (its objects carry state that amp writes back, and
+which a cached program could not see change).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import equinox as eqx
+import jax
+
+from . import _compat
+
+if TYPE_CHECKING:
+    from ._amp import AmpOptions
+
+__all__ = ["EagerCache"]
+
+DEFAULT_MAXSIZE = 32
+
+
+class EagerCache:
+    """A bounded (least recently used first out) cache of rewritten programs.
+
+    Attributes:
+        maxsize: how many call signatures are kept.
+        hits: calls answered from the cache.
+        misses: calls that traced and rewritten `fn` (cached or not).
+    """
+
+    def __init__(self, maxsize: int = DEFAULT_MAXSIZE):
+        self.maxsize = maxsize
+        self.hits = 0
+        self.misses = 0
+        self._entries: collections.OrderedDict[Any, tuple[Any, Callable]] = (
+            collections.OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Forget every cached program."""
+        self._entries.clear()
+
+    def call(self, options: AmpOptions, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """``options.run(fn, args, kwargs)``, from the cache where it may be.
+
+        Args:
+            options: the amp'd function's settings.
+            fn: the user's function (fixed for one cache).
+            args: positional arguments of this call.
+            kwargs: keyword arguments of this call.
+
+        Returns:
+            What ``amp(fn)(*args, **kwargs)`` returns.
+        """
+        found = _cache_key(options, args, kwargs)
+        if found is None:
+            self.misses += 1
+            return options.run(fn, args, kwargs)
+        key, flat_args = found
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            program, rebuild = options.rewrite(fn, args, kwargs)
+            entry = self._entries[key] = (_EagerProgram(program), rebuild)
+            if len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        program, rebuild = entry
+        return rebuild(program(flat_args))
+
+
+def _cache_key(options: AmpOptions, args: tuple, kwargs: dict) -> tuple[Any, list] | None:
+    # None: this call must not be cached (see the module docstring).
+    trace_context = _compat.eager_trace_context()
+    if trace_context is None or "flax.nnx" in sys.modules:
+        return None
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    flat_args, in_tree = jax.tree_util.tree_flatten(dynamic)
+    if any(isinstance(x, jax.core.Tracer) for x in flat_args):
+        return None
+    static_leaves, static_tree = jax.tree_util.tree_flatten(static)
+    key = (
+        in_tree,
+        tuple(_compat.abstract_value(x) for x in flat_args),
+        static_tree,
+        # The type too: 1, 1.0 and True are equal and hash alike, but trace differently.
+        tuple((type(leaf), leaf) for leaf in static_leaves),
+        options.compute_dtype,
+        options.output_dtype,
+        options.fp8,
+        options.policy_table(),
+        _compat.ambient_scopes(),
+        trace_context,
+    )
+    try:
+        hash(key)
+    except TypeError:  # an unhashable static argument: traced afresh, as before
+        return None
+    return key, flat_args
+
+
+class _EagerProgram:
+    """A rewritten program, evaluated equation by equation as eager JAX runs it.
+
+    `jax.core.eval_jaxpr` would bind each call of a ``jax.numpy`` function
+    (``jit`` equations: most of them) through `jit`'s Python path, several
+    times slower than the compiled fast path the user's own eager call takes.
+    So each distinct called jaxpr becomes one `jax.jit`'d function, and every
+    other equation is bound as `eval_jaxpr` binds it.
+    """
+
+    def __init__(self, program: Any):
+        jaxpr = program.jaxpr
+        self._consts = list(zip(jaxpr.constvars, program.consts))
+        self._invars = jaxpr.invars
+        self._outvars = jaxpr.outvars
+        called: dict[int, Callable] = {}
+        self._steps = []
+        for eqn in jaxpr.eqns:
+            body = eqn.params.get("jaxpr") if eqn.primitive is _compat.jit_p else None
+            if body is not None:
+                fn = called.get(id(body))
+                if fn is None:
+                    fn = called[id(body)] = jax.jit(_compat.jaxpr_as_fun(body))
+                step = fn
+            else:
+                step = _bind(eqn.primitive, eqn.primitive.get_bind_params(eqn.params))
+            self._steps.append((step, eqn.invars, eqn.outvars))
+
+    def __call__(self, flat_args: list) -> list:
+        env: dict[Any, Any] = dict(self._consts)
+        env.update(zip(self._invars, flat_args, strict=True))
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, _compat.Literal) else env[v]
+
+        for step, invars, outvars in self._steps:
+            outs = step(*map(read, invars))
+            env.update(zip(outvars, outs))
+        return [read(v) for v in self._outvars]
+
+
+def _bind(primitive: Any, params: dict) -> Callable:
+    if primitive.multiple_results:
+        return lambda *args: primitive.bind(*args, **params)
+    return lambda *args: [primitive.bind(*args, **params)]
