@@ -85,7 +85,8 @@ class AmpRow:
         primitive: the primitive's name (``"dot_general"``...).
         scope: the active `jax.named_scope` path, ``"outer/inner"`` (``""`` at top level).
         decided_by: which policy entry chose the rule: ``"amp_stop"``,
-            ``"scope:<name>"``, ``"primitive"``, ``"amp_default"`` or
+            ``"scope:<name>"``, ``"statistics"``, ``"range"`` (see README
+            "Policies"), ``"primitive"``, ``"amp_default"`` or
             ``"original"`` (no entry, or a primitive amp cannot rewrite).
         original_dtypes: operand dtypes in the user's program.
         dtypes_before: operand dtypes as they reached the equation under amp.

@@ -23,6 +23,7 @@ from ._casting import dtype_of
 from ._dtypes import is_castable
 from ._rules import PolicyTable, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
+from ._regions import Regions
 from ._statistics import plan_statistics
 
 __all__ = [
@@ -199,6 +200,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
 
     given = ctx.statistics_inputs
     plan = plan_statistics(jaxpr, *(given[1] if given is not None and given[0] is jaxpr else ()))
+    regions = Regions(jaxpr, ctx.policy, ctx.scopes)
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         handler = HANDLERS.get(eqn.primitive)
@@ -212,9 +214,13 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
                     )
                 outvals = _run_handler(handler, ctx, nested, eqn, invals)
             else:
-                outvals = _apply_rule(ctx, eqn, invals, statistic=i in plan.statistics)
+                outvals = _apply_rule(
+                    ctx, eqn, invals, statistic=i in plan.statistics, bounded=i in plan.bounded
+                )
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
+        if regions.active:
+            outvals = regions.hand_on(i, eqn, invals, outvals, ctx.compute_dtype)
         for v, value in zip(eqn.outvars, outvals, strict=True):
             write(v, value)
     return [read(v) for v in jaxpr.outvars]
@@ -295,7 +301,12 @@ def _warn_if_moved_back(eqn: Any, choice: RuleChoice, params: dict, before, afte
 
 
 def _apply_rule(
-    ctx: AmpContext, eqn: Any, invals: list, force_original: bool = False, statistic: bool = False
+    ctx: AmpContext,
+    eqn: Any,
+    invals: list,
+    force_original: bool = False,
+    statistic: bool = False,
+    bounded: bool = False,
 ) -> Any:
     scopes = ctx.scopes + _compat.eqn_scopes(eqn)
     original = tuple(getattr(v.aval, "dtype", None) for v in eqn.invars)
@@ -304,7 +315,7 @@ def _apply_rule(
     # cannot be rewritten, so it gets exactly the operands it was traced with.
     choice = None
     if "subfuns" not in params and not force_original:
-        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic)
+        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic, bounded)
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     before = tuple(dtype_of(x) for x in invals)

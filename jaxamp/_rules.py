@@ -29,6 +29,7 @@ __all__ = [
     "use_compute_precision",
     "use_current_precision",
     "use_full_range_precision",
+    "use_normalisation_precision",
     "use_original_precision",
     "use_precision",
     "use_widest_precision",
@@ -70,6 +71,23 @@ def use_original_precision(compute_dtype, original_dtypes, *invars, **bind_param
     """Run the equation in the dtypes the user's program gave its operands."""
     invars = _cast_operands(invars, original_dtypes, lambda orig: orig)
     return invars, bind_params
+
+
+def use_normalisation_precision(compute_dtype, original_dtypes, *invars, **bind_params):
+    """Original precision inside a norm layer, whose result goes on in `compute_dtype`.
+
+    For a named scope around a whole normalisation layer: its equations run
+    as `use_original_precision`, and where an activation entered the layer in
+    `compute_dtype`, the layer's results of the activation's shape leave it in
+    `compute_dtype`, as flax's ``LayerNorm(dtype=jnp.bfloat16)`` returns
+    bfloat16 after float32 statistics (see `jaxamp._regions`). A float32
+    result would otherwise make every following elementwise op (a ReLU, a
+    residual add) run, and save its input for the backward pass, in float32.
+    """
+    return use_original_precision(compute_dtype, original_dtypes, *invars, **bind_params)
+
+
+use_normalisation_precision.hands_on_in_compute_dtype = True  # type: ignore[attr-defined]
 
 
 def use_precision(dtype: Any) -> Rule:
@@ -327,7 +345,7 @@ def _default_table() -> dict[Any, Rule]:
     # Equinox's normalisation layers open these scopes. PyTorch keeps layer and
     # group norm in float32 too: their variance squares activations.
     for layer in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"):
-        table[f"eqx.nn.{layer}"] = use_original_precision
+        table[f"eqx.nn.{layer}"] = use_normalisation_precision
     for names, rule in _RULES_BY_NAME_LIST:
         table.update(dict.fromkeys(names, rule))
     return table
@@ -438,6 +456,9 @@ default_amp_policy: PolicyTable = PolicyTable(
         # Centring, squaring and normalising by moments, whichever library's
         # norm layer wrote them (see `jaxamp._statistics`).
         "amp_statistics": use_original_precision,
+        # exp(x - max(x)) and the like: results in (0, 1], safe in float16
+        # (see `jaxamp._ranges`).
+        "amp_range": use_current_precision,
     }
 )
 """The default amp policy table (read-only; see `PolicyTable`)."""

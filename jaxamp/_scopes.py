@@ -12,12 +12,25 @@ from typing import Any, NamedTuple
 
 import jax
 
-__all__ = ["AMP_DEFAULT", "AMP_STATISTICS", "AMP_STOP", "RuleChoice", "amp_stop", "choose_rule"]
+from ._rules import use_full_range_precision
+
+__all__ = [
+    "AMP_DEFAULT",
+    "AMP_RANGE",
+    "AMP_STATISTICS",
+    "AMP_STOP",
+    "RuleChoice",
+    "amp_stop",
+    "choose_rule",
+]
 
 AMP_STOP = "amp_stop"
 AMP_DEFAULT = "amp_default"
 # The entry for normalisation statistics (see `jaxamp._statistics`).
 AMP_STATISTICS = "amp_statistics"
+# The entry for range-limited ops whose result the range facts bound (see
+# `jaxamp._ranges`); it replaces only the default `use_full_range_precision`.
+AMP_RANGE = "amp_range"
 
 
 @contextlib.contextmanager
@@ -57,19 +70,26 @@ class RuleChoice(NamedTuple):
     """The rule for one equation and which table entry supplied it."""
 
     rule: Callable
-    decided_by: str  # "amp_stop", "scope:<name>", "statistics", "primitive" or "amp_default"
+    # "amp_stop", "scope:<name>", "statistics", "range", "primitive" or "amp_default"
+    decided_by: str
 
 
 def choose_rule(
-    policy: Mapping[Any, Callable], scopes: Sequence[str], primitive: Any, statistic: bool = False
+    policy: Mapping[Any, Callable],
+    scopes: Sequence[str],
+    primitive: Any,
+    statistic: bool = False,
+    bounded: bool = False,
 ) -> RuleChoice | None:
     """Pick the policy entry for an equation.
 
     An active ``amp_stop`` wins, because it is the user's explicit off switch;
     otherwise the outermost active scope with an entry; then, for an equation
     computing normalisation statistics (`statistic`), ``"amp_statistics"``;
-    then the primitive's entry, then ``"amp_default"``. Returns None when
-    nothing matches (the caller keeps the original precision).
+    then, for a range-limited equation whose result is known to be bounded
+    (`bounded`) and whose primitive's entry is `use_full_range_precision`,
+    ``"amp_range"``; then the primitive's entry, then ``"amp_default"``.
+    Returns None when nothing matches (the caller keeps the original precision).
     """
     if AMP_STOP in scopes and AMP_STOP in policy:
         return RuleChoice(policy[AMP_STOP], AMP_STOP)
@@ -79,6 +99,8 @@ def choose_rule(
     if statistic and AMP_STATISTICS in policy:
         return RuleChoice(policy[AMP_STATISTICS], "statistics")
     rule = policy.get(primitive)
+    if bounded and AMP_RANGE in policy and rule is use_full_range_precision:
+        return RuleChoice(policy[AMP_RANGE], "range")
     if rule is not None:
         return RuleChoice(rule, "primitive")
     if AMP_DEFAULT in policy:

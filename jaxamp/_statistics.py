@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat
+from . import _compat, _ranges
 
 __all__ = ["CONSTANT", "MOMENT", "NORMALISER", "OTHER", "StatisticsPlan", "plan_statistics"]
 
@@ -64,18 +64,23 @@ class StatisticsPlan:
 
     Attributes:
         statistics: indices of the equations to run at original precision.
+        bounded: indices of range-limited equations (``exp``...) whose result
+            the range facts bound (see `jaxamp._ranges`).
         call_inputs: for call equations, by index, the arguments the body is
-            planned with: its inputs' classes and which of its outputs the
-            caller sums.
+            planned with: its inputs' classes, which of its outputs the
+            caller sums, and its inputs' range facts.
         out_classes: the class of each of the jaxpr's outputs.
+        out_ranges: the range fact of each of the jaxpr's outputs.
         summed_inputs: per input, whether the jaxpr sums it (it feeds a
             ``reduce_sum``, possibly through transparent ops or calls), so a
             caller knows a square passed in is a second moment.
     """
 
     statistics: frozenset[int]
-    call_inputs: dict[int, tuple[tuple[int, ...], tuple[bool, ...]]]
+    bounded: frozenset[int]
+    call_inputs: dict[int, tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ...]]]
     out_classes: tuple[int, ...]
+    out_ranges: tuple[Any, ...]
     summed_inputs: tuple[bool, ...]
 
 
@@ -86,6 +91,7 @@ def plan_statistics(
     jaxpr: Any,
     in_classes: Sequence[int] | None = None,
     summed_outputs: Sequence[bool] | None = None,
+    in_ranges: Sequence[Any] | None = None,
 ) -> StatisticsPlan:
     """The statistics plan of an open `jaxpr`.
 
@@ -93,6 +99,7 @@ def plan_statistics(
         jaxpr: an open jaxpr.
         in_classes: one class per input (``OTHER`` for all when None).
         summed_outputs: per output, whether the caller sums it (none when None).
+        in_ranges: one range fact per input (none known when None).
 
     Returns:
         The plan (memoised per jaxpr and arguments).
@@ -100,6 +107,7 @@ def plan_statistics(
     key = (
         tuple(in_classes) if in_classes is not None else (OTHER,) * len(jaxpr.invars),
         tuple(summed_outputs) if summed_outputs is not None else (False,) * len(jaxpr.outvars),
+        tuple(in_ranges) if in_ranges is not None else (None,) * len(jaxpr.invars),
     )
     try:
         per_jaxpr = _PLANS.setdefault(jaxpr, {})
@@ -116,9 +124,18 @@ def _size(var: Any) -> int:
 
 
 def _plan(
-    jaxpr: Any, in_classes: tuple[int, ...], summed_outputs: tuple[bool, ...]
+    jaxpr: Any,
+    in_classes: tuple[int, ...],
+    summed_outputs: tuple[bool, ...],
+    in_ranges: tuple[Any, ...],
 ) -> StatisticsPlan:
     cls: dict[Any, int] = dict(zip(jaxpr.invars, in_classes))
+    ranges: dict[Any, Any] = dict(
+        zip(jaxpr.invars, _ranges.resolve_inputs(in_ranges, jaxpr.invars))
+    )
+    bounded: set[int] = set()
+    # Variables known to equal an earlier one (see `_ranges.aliases`).
+    alias: dict[Any, Any] = {}
     # Values broadcast from fewer elements: per-feature parameters, not activations.
     per_feature: set[Any] = set()
     statistics: set[int] = set()
@@ -138,6 +155,11 @@ def _plan(
         if isinstance(v, _compat.Literal):
             return CONSTANT
         return cls.get(v, CONSTANT if v in constvars else OTHER)
+
+    def range_of(v: Any) -> Any:
+        if isinstance(v, _compat.Literal):
+            return _ranges.literal_fact(v.val)
+        return ranges.get(v)
 
     # Walk backwards first to know which variables end up summed: a square
     # is a second moment only if it is summed.
@@ -162,10 +184,20 @@ def _plan(
         name = eqn.primitive.name
         ins = [of(v) for v in eqn.invars]
         outs = [OTHER] * len(eqn.outvars)
+        facts = [range_of(v) for v in eqn.invars]
+        operands = [alias.get(v, v) if not isinstance(v, _compat.Literal) else v for v in eqn.invars]
         body = _compat.call_body(eqn)
+        alias.update((eqn.outvars[o], operands[k]) for o, k in _ranges.aliases(eqn, body).items())
+        if body is None and len(eqn.outvars) == 1:
+            ranges[eqn.outvars[0]] = _ranges.transfer(eqn, operands, facts)
+            if _ranges.bounded(eqn, facts):
+                bounded.add(i)
         if body is not None:
-            call_inputs[i] = (tuple(ins), call_summed[i])
-            outs = list(plan_statistics(body, *call_inputs[i]).out_classes)
+            call_inputs[i] = (tuple(ins), call_summed[i], _ranges.enter_call(facts, operands))
+            inner = plan_statistics(body, *call_inputs[i])
+            outs = list(inner.out_classes)
+            out_facts = _ranges.leave_call(inner.out_ranges, body.invars, operands, facts)
+            ranges.update(zip(eqn.outvars, out_facts))
         elif name == "reduce_sum":
             outs = [MOMENT]
         elif name in _TRANSPARENT and len(ins) == 1:
@@ -197,8 +229,10 @@ def _plan(
     statistics.update(i for v, i in squares.items() if v in summed)
     return StatisticsPlan(
         statistics=frozenset(statistics),
+        bounded=frozenset(bounded),
         call_inputs=call_inputs,
         out_classes=tuple(of(v) for v in jaxpr.outvars),
+        out_ranges=tuple(range_of(v) for v in jaxpr.outvars),
         summed_inputs=tuple(v in summed for v in jaxpr.invars),
     )
 
