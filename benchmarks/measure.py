@@ -1,4 +1,4 @@
-"""Backend-independent measurements of a training step: none of them runs it.
+"""Measurements of a training step that do not run it.
 
 * `median_lower_seconds`: how long tracing and lowering a function to StableHLO
   takes (what amp adds on top of plain JAX happens entirely here);
@@ -7,10 +7,14 @@
 * `matmul_flops`: floating-point operations of matmuls and convolutions by
   operand dtype, read off the jaxpr, so one can tell what share runs in half
   precision;
-* `count_converts`: dtype conversions left in the lowered program.
+* `count_converts`: dtype conversions in the lowered program (StableHLO, what
+  JAX hands to XLA), and `count_compiled_converts`: those left after XLA's
+  optimisations (the compiled HLO, what runs).
 
-All of them accept `jax.ShapeDtypeStruct` arguments, so a GPT-2-sized model can
-be measured on a laptop without allocating its parameters.
+All of them work from `jax.ShapeDtypeStruct` arguments, so a GPT-2-sized model
+can be measured on a laptop without allocating its parameters. All but
+`count_compiled_converts` are also backend-independent: compiling is where the
+backend comes in.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from jaxamp._diagnostics import equation_flops
 
 __all__ = [
     "Residuals",
+    "count_compiled_converts",
     "count_converts",
     "matmul_flops",
     "median_lower_seconds",
@@ -201,3 +206,20 @@ def count_converts(lowered_text: str) -> int:
     Loop bodies are counted once, as they are written, not once per iteration.
     """
     return len(_CONVERT.findall(lowered_text))
+
+
+# An HLO instruction such as "%convert.3 = bf16[8,128]{1,0} convert(%p.1)", at
+# top level or inside a fused computation; a scalar's shape is "f32[]".
+_COMPILED_CONVERT = re.compile(r"=\s*[a-z][a-z0-9]*\[[^\]]*\](?:\{[^}]*\})?\s+convert\(")
+
+
+def count_compiled_converts(compiled_text: str) -> int:
+    """Number of ``convert`` instructions in a compiled program's HLO text.
+
+    Counts those at top level and inside fusions and other called computations
+    (``jax.jit(f).lower(...).compile().as_text()``), each computation once as
+    written, not once per call or per loop iteration. Unlike `count_converts`,
+    this depends on the backend: XLA:CPU, for one, computes most bfloat16
+    elementwise operations in float32, with converts around them.
+    """
+    return len(_COMPILED_CONVERT.findall(compiled_text))

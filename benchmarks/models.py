@@ -1,12 +1,13 @@
 """The models of the benchmarks and of ``examples/char_lm.py``.
 
-`GPT` is a GPT-2-style decoder-only transformer and `ResNet` a small residual CNN.
-Both are `equinox.Module`s whose leaves are all arrays (hyperparameters are static
-fields), so a model *is* its parameter pytree: it can go straight into
+`GPT` is a GPT-2-style decoder-only transformer, `ResNet` a small residual CNN and
+`MLP` a stack of dense layers (the eager-overhead benchmark calls it outside any
+jit). All are `equinox.Module`s whose leaves are all arrays (hyperparameters are
+static fields), so a model *is* its parameter pytree: it can go straight into
 `jax.value_and_grad`, `jax.jit`, `jaxamp.amp` or `jaxamp.cast_floating`, and
 `equinox.filter_eval_shape` gives its abstract shape without allocating it.
 
-Both are written as plain float32 code. What the benchmarks vary is only how the
+All are written as plain float32 code. What the benchmarks vary is only how the
 loss is wrapped (nothing, a hand-written cast, `jaxamp.amp`), so every variant
 runs the same program text.
 """
@@ -25,13 +26,16 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 __all__ = [
     "GPT",
     "GPT2_SMALL",
+    "MLP",
     "GPTConfig",
+    "MLPConfig",
     "ResNet",
     "ResNetConfig",
     "causal_attention",
     "classifier_loss",
     "cross_entropy",
     "lm_loss",
+    "mean_square_loss",
 ]
 
 
@@ -291,3 +295,37 @@ def classifier_loss(
 ) -> Float[Array, ""]:
     """Cross-entropy of `model` on a labelled batch of images."""
     return cross_entropy(model(images), labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """The shape of an `MLP`.
+
+    Attributes:
+        width: features of the input and of every layer.
+        n_layers: dense layers, with a tanh after each but the last.
+    """
+
+    width: int
+    n_layers: int
+
+
+class MLP(eqx.Module):
+    """``n_layers`` square `Dense` layers with tanh in between."""
+
+    layers: tuple[Dense, ...]
+
+    def __init__(self, config: MLPConfig, *, key: PRNGKeyArray):
+        std = 1.0 / math.sqrt(config.width)
+        keys = jax.random.split(key, config.n_layers)
+        self.layers = tuple(Dense(config.width, config.width, key=k, std=std) for k in keys)
+
+    def __call__(self, x: Float[Array, "... width"]) -> Float[Array, "... width"]:
+        for layer in self.layers[:-1]:
+            x = jnp.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def mean_square_loss(model: MLP, x: Float[Array, "b width"]) -> Float[Array, ""]:
+    """The mean of the squares of `model`'s outputs: a scalar to differentiate."""
+    return jnp.mean(model(x) ** 2)

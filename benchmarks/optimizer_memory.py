@@ -1,6 +1,6 @@
 """Bytes per parameter held by the parameters and AdamW's state, in each precision.
 
-    python benchmarks/optimizer_memory.py        # or: python -m benchmarks.optimizer_memory
+    python -m benchmarks.optimizer_memory        # from the repository root
 
 For the GPT-2-small-shaped benchmark model (`benchmarks.models.GPT2_SMALL`, 124M
 parameters), builds the parameters in each `PRECISIONS` entry and the state of
@@ -16,22 +16,17 @@ The same entries drive the bf16 runs of ``examples/char_lm.py``.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
 
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-import jaxamp  # noqa: E402
-from benchmarks.models import GPT, GPT2_SMALL, GPTConfig  # noqa: E402
-from jaxamp.optim import cast_state, low_precision_params  # noqa: E402
+import jaxamp
+from benchmarks.models import GPT, GPT2_SMALL, GPTConfig
+from jaxamp.optim import cast_state, low_precision_params
 
 __all__ = ["PRECISIONS", "Precision", "clipped_adamw", "main", "measure", "tree_bytes"]
 
@@ -112,7 +107,8 @@ def measure(config: GPTConfig = GPT2_SMALL) -> dict[str, dict[str, float]]:
     results = {}
     for name, precision in PRECISIONS.items():
         params = eqx.filter_eval_shape(
-            lambda: jaxamp.cast_floating(GPT(config, key=jax.random.key(0)), precision.param_dtype)
+            lambda dtype: jaxamp.cast_floating(GPT(config, key=jax.random.key(0)), dtype),
+            precision.param_dtype,
         )
         n = sum(leaf.size for leaf in jax.tree.leaves(params))
         optimizer = precision.wrap(clipped_adamw(), jax.random.key(0))
@@ -127,7 +123,9 @@ def main() -> dict[str, dict[str, float]]:
     results = measure(GPT2_SMALL)
     n = results["float32"]["n_parameters"]
     print(f"GPT-2 small shape: {n:,} parameters; AdamW; JAX {jax.__version__}")
-    print("| precision | parameters (B/param) | AdamW state (B/param) | total (B/param) | vs float32 |")
+    print(
+        "| precision | parameters (B/param) | AdamW state (B/param) | total (B/param) | vs float32 |"
+    )
     print("|---|---|---|---|---|")
     base = results["float32"]["total"]
     for name, r in results.items():

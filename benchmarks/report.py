@@ -1,4 +1,10 @@
-"""Turning `benchmarks/run.py` results into text, a markdown section and a PNG."""
+"""Turning the results of ``python -m benchmarks.run`` into text, a markdown section and a PNG.
+
+`text_table` prints one workload's per-variant figures; `update_markdown`
+replaces one machine's section of RESULTS.md (per-workload tables, residual
+differences, trace and eager overhead, the targets); `plot` draws bar charts.
+All of them read the results dict only.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from benchmarks import eager, targets
 from benchmarks.variants import VARIANTS
 
 __all__ = ["plot", "text_table", "update_markdown"]
@@ -15,7 +22,7 @@ MIB = 2**20
 _HEADER = """\
 # Benchmark results
 
-Written by `python benchmarks/run.py --device-label LABEL`, which replaces the
+Written by `python -m benchmarks.run --device-label LABEL`, which replaces the
 section of its label and leaves the others alone. What each column means, and
 how to reproduce them: [docs/benchmarks.md](../docs/benchmarks.md). Every figure
 below was measured by the command shown in its section; none is estimated.
@@ -30,10 +37,17 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
     return f"{value / scale:,.{digits}f}" if isinstance(value, (int, float)) else "-"
 
 
+def _share(value: Any) -> str:
+    return f"{value:.1%}" if isinstance(value, (int, float)) else "-"
+
+
 def _columns(per_variant: dict[str, dict], unit: str) -> tuple[list[str], list[list[str]]]:
-    """Column names and one row of cells per variant."""
+    """Column names and one row of cells per variant.
+
+    The "vs hand-cast" columns divide by the variant's `Variant.compare_with`.
+    """
     timed = any("step_s" in r for r in per_variant.values())
-    f32, hand = per_variant.get("f32", {}), per_variant.get("hand_bf16", {})
+    f32 = per_variant.get("f32", {})
     names = [
         "variant",
         "lower (ms)",
@@ -42,14 +56,17 @@ def _columns(per_variant: dict[str, dict], unit: str) -> tuple[list[str], list[l
         "vs f32",
         "vs hand-cast",
         "half-precision FLOPs",
+        "float8 FLOPs",
         "converts",
+        "vs hand-cast",
+        "compiled converts",
         "vs hand-cast",
     ]
     if timed:
         names += ["step (ms)", f"{unit}/s", "peak memory (MiB)", "skipped steps"]
     rows = []
     for key, r in per_variant.items():
-        share = r.get("half_flop_share")
+        hand = per_variant.get(VARIANTS[key].compare_with, {})
         row = [
             VARIANTS[key].label,
             _fmt(r.get("lower_s"), 1e-3, 0),
@@ -57,9 +74,12 @@ def _columns(per_variant: dict[str, dict], unit: str) -> tuple[list[str], list[l
             _fmt(r.get("residual_bytes"), MIB, 0),
             _ratio(r.get("residual_bytes"), f32.get("residual_bytes")),
             _ratio(r.get("residual_bytes"), hand.get("residual_bytes")),
-            f"{share:.1%}" if share is not None else "-",
+            _share(r.get("half_flop_share")),
+            _share(r.get("fp8_flop_share")),
             str(r.get("converts", "-")),
             _ratio(r.get("converts"), hand.get("converts")),
+            str(r.get("compiled_converts", "-")),
+            _ratio(r.get("compiled_converts"), hand.get("compiled_converts")),
         ]
         if timed:
             row += [
@@ -106,17 +126,83 @@ def _markdown_table(names: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def _trace_overhead_lines(overhead: dict | None) -> list[str]:
+    """Markdown rows of the trace overhead: one per model and setting (warm, cold)."""
+    if not overhead:
+        return []
+    lines = ["", "### Trace overhead: lowering value-and-grad, amp / plain", ""]
+    if "error" in overhead:
+        return [*lines, f"- not measured: {overhead['error']}"]
+    rows = []
+    for key, per_setting in overhead.items():
+        for setting in ("warm", "cold"):
+            r = per_setting.get(setting)
+            if r is None:
+                continue
+            if "error" in r:
+                rows.append([f"`{key}`", setting, "-", "-", f"not measured: {r['error']}"])
+                continue
+            rows.append(
+                [
+                    f"`{key}`",
+                    setting,
+                    _fmt(r["plain_s"], 1e-3, 0),
+                    _fmt(r["amp_s"], 1e-3, 0),
+                    f"{r['ratio']:.2f}x",
+                ]
+            )
+    lines += _markdown_table(["model", "trace", "plain (ms)", "amp (ms)", "amp / plain"], rows)
+    lines += [""] + [f"- `{key}`: {r['title']}" for key, r in overhead.items() if "title" in r]
+    return lines
+
+
+def _eager_lines(figure: dict | None) -> list[str]:
+    """The eager-overhead figure as a markdown paragraph."""
+    if not figure:
+        return []
+    lines = ["", "### Eager overhead: one call outside jit, amp / plain", ""]
+    if "error" in figure:
+        return [*lines, f"- not measured: {figure['error']}"]
+    return [*lines, eager.format_results(figure) + "."]
+
+
+_STATUS = {targets.MET: "met", targets.MISSED: "**MISSED**", targets.NOT_MEASURED: "not measured"}
+
+
+def _target_lines(rows: list[dict]) -> list[str]:
+    """The targets table (`benchmarks.targets.evaluate`'s rows) in markdown."""
+    if not rows:
+        return []
+    cells = [
+        [
+            t["target"],
+            "-" if t["value"] is None else f"{t['value']:.3f}",
+            targets.wanted(t),
+            _STATUS[t["status"]] + (f" ({t['note']})" if t["note"] else ""),
+        ]
+        for t in rows
+    ]
+    return ["", "### Targets", "", *_markdown_table(["target", "measured", "wanted", ""], cells)]
+
+
 def _section(results: dict, json_path: Path, png_path: Path | None, md_dir: Path) -> list[str]:
     m = results["machine"]
-    rel = lambda p: Path(os.path.relpath(p, md_dir)).as_posix()  # noqa: E731
+
+    def rel(path: Path) -> str:
+        return Path(os.path.relpath(path, md_dir)).as_posix()
+
     lines = [
         f"## {results['label']}",
         "",
-        f"- machine: {m['device']} ({m['backend']}, {m['device_count']} device(s)); "
-        f"host {m['cpu']}, {m['cpu_count']} cores, load average {m.get('load_average') or 0:.1f} "
-        "at the start",
-        f"- JAX {m['jax']} (jaxlib {m['jaxlib']}), Python {m['python']}; measured {m['date']}, "
-        f"in {results['elapsed_s']:.0f} s",
+        (
+            f"- machine: {m['device']} ({m['backend']}, {m['device_count']} device(s)); "
+            f"host {m['cpu']}, {m['cpu_count']} cores, load average "
+            f"{m.get('load_average') or 0:.1f} at the start"
+        ),
+        (
+            f"- JAX {m['jax']} (jaxlib {m['jaxlib']}), Python {m['python']}; measured "
+            f"{m['date']}, in {results['elapsed_s']:.0f} s"
+        ),
         f"- command: `{results['command']}`",
         f"- raw results: [{rel(json_path)}]({rel(json_path)})",
     ]
@@ -136,9 +222,11 @@ def _section(results: dict, json_path: Path, png_path: Path | None, md_dir: Path
         if isinstance(excess, list) and excess:
             lines += [
                 "",
-                "Source lines where amp bf16 and hand-cast bf16 save different amounts for "
-                "the backward pass (loop-free form of the model; MiB by dtype; "
-                "difference = amp minus hand-cast):",
+                (
+                    "Source lines where amp bf16 and hand-cast bf16 save different amounts for "
+                    "the backward pass (loop-free form of the model; MiB by dtype; "
+                    "difference = amp minus hand-cast):"
+                ),
                 "",
             ]
             lines += _markdown_table(
@@ -153,26 +241,9 @@ def _section(results: dict, json_path: Path, png_path: Path | None, md_dir: Path
                     for r in excess
                 ],
             )
-    overhead = results.get("trace_overhead")
-    if overhead and "error" not in overhead:
-        lines += ["", "### Trace overhead: 12-layer GPT-2-small-shaped model", ""]
-        rows = [
-            [name, _fmt(r["plain_s"], 1e-3, 0), _fmt(r["amp_s"], 1e-3, 0), f"{r['ratio']:.2f}x"]
-            for name, r in overhead.items()
-        ]
-        lines += _markdown_table(["layers", "plain lower (ms)", "amp lower (ms)", "ratio"], rows)
-    if results.get("targets"):
-        lines += ["", "### Targets", ""]
-        rows = [
-            [
-                t["target"],
-                f"{t['value']:.3f}",
-                ("<= " if t["at_most"] else ">= ") + f"{t['limit']}",
-                "met" if t["met"] else "**missed**",
-            ]
-            for t in results["targets"]
-        ]
-        lines += _markdown_table(["target", "measured", "wanted", ""], rows)
+    lines += _trace_overhead_lines(results.get("trace_overhead"))
+    lines += _eager_lines(results.get("eager"))
+    lines += _target_lines(results.get("targets", []))
     if png_path is not None:
         lines += ["", f"![{results['label']}]({rel(png_path)})"]
     return lines
@@ -214,9 +285,9 @@ def plot(results: dict, png_path: Path) -> Path | None:
     if not models:
         return None
     fig, axes = plt.subplots(
-        len(panels), len(models), figsize=(4.5 * len(models), 3.2 * len(panels)), squeeze=False
+        len(panels), len(models), figsize=(5 * len(models), 3.6 * len(panels)), squeeze=False
     )
-    colors = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c"]
+    colors = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#9467bd", "#2ca02c", "#d62728"]
     for col, (wkey, per_variant) in enumerate(models.items()):
         for row, (field, title, scale) in enumerate(panels):
             ax = axes[row][col]
@@ -226,7 +297,7 @@ def plot(results: dict, png_path: Path) -> Path | None:
             labels = [f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values]
             ax.bar_label(bars, labels=labels, fontsize=8)
             names = [VARIANTS[k].label for k in keys]
-            ax.set_xticks(range(len(keys)), names, rotation=20, fontsize=8)
+            ax.set_xticks(range(len(keys)), names, rotation=30, ha="right", fontsize=8)
             ax.set_title(f"{wkey}: {title}", fontsize=10)
             ax.margins(y=0.15)
     fig.suptitle(f"{results['label']}: JAX {results['machine']['jax']}", fontsize=11)

@@ -1,105 +1,235 @@
-"""How much longer tracing and lowering take under `jaxamp.amp` (issue 2 acceptance).
+"""How much longer tracing and lowering take under `jaxamp.amp`, warm and cold.
 
-For a 12-layer GPT-style model, written once with the layers unrolled and once
-with `jax.lax.scan`, compares the median time of::
+For each model of `benchmarks.workloads.trace_workloads` (GPT-2 small with its
+12 layers unrolled, under `lax.scan`, and unrolled at 24 layers), compares::
 
-    jax.jit(jax.value_and_grad(jaxamp.amp(loss))).lower(model, tokens, targets)
+    jax.jit(jax.value_and_grad(jaxamp.amp(loss, compute_dtype="bf16"))).lower(model, tokens, targets)
 
-with the same for ``loss`` itself. Target: a ratio of at most 1.5. Nothing is
-compiled or run, and the model is abstract (`jax.ShapeDtypeStruct` leaves), so
-the figures are the same on any backend and the script needs no accelerator.
+with the same for ``loss`` itself, in two settings:
 
-    python benchmarks/trace_overhead.py [--repeats 7]
+* **warm** (`warm`): the median of repeated lowerings in one process, each of a
+  freshly built function (`benchmarks.measure.median_lower_seconds`), after one
+  untimed round: the cost a user pays on every re-trace once JAX's own caches
+  (`jax.numpy`'s jit'd functions, linearization rules) are filled;
+* **cold** (`cold`): the first lowering in a fresh Python process
+  (`benchmarks.worker`), with imports (jaxamp's included, for both) and the
+  abstract model built before the timer starts: the cost a user pays on the
+  first step of a script. Plain and amp alternate, one process each, and the
+  median of the runs is kept.
+
+Nothing is compiled or run, and the models are abstract (`jax.ShapeDtypeStruct`
+leaves), so the figures need no accelerator. The targets (amp / plain at most
+1.10 warm and 1.25 cold) are in `benchmarks.targets`.
+
+    python -m benchmarks.trace_overhead [--repeats 7] [--cold-runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import sys
-from pathlib import Path
+import gc
+import statistics
+import time
+from collections.abc import Iterable
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
 
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jaxamp
+from benchmarks import targets, worker
+from benchmarks.measure import median_lower_seconds
+from benchmarks.workloads import SIZES, trace_workloads
 
-import jaxamp  # noqa: E402
-from benchmarks.measure import median_lower_seconds  # noqa: E402
-from benchmarks.models import GPT, GPT2_SMALL, lm_loss  # noqa: E402
+__all__ = ["cold", "cold_lower_seconds", "format_results", "main", "measure", "warm"]
 
-__all__ = ["TARGET_RATIO", "main", "measure"]
-
-TARGET_RATIO = 1.5
-BATCH = 8
+_COLD_TIMEOUT_S = 300.0
 
 
-def measure(repeats: int = 7, compute_dtype: str = "bf16") -> dict[str, dict[str, float]]:
-    """Median lowering times of plain and amp value-and-grad, unrolled and scanned.
+def _loss(loss_fn, amp: bool, compute_dtype: str):
+    return jaxamp.amp(loss_fn, compute_dtype=compute_dtype) if amp else loss_fn
+
+
+def _value_and_grad_builder(loss_fn, amp: bool, compute_dtype: str):
+    # A new function on every call, so that no trace cache answers for a repeat.
+    return lambda: jax.value_and_grad(_loss(loss_fn, amp, compute_dtype))
+
+
+def _summary(plain: float, amp: float) -> dict[str, float]:
+    return {"plain_s": plain, "amp_s": amp, "ratio": amp / plain}
+
+
+def warm(
+    size: str = "full", repeats: int = 7, compute_dtype: str = "bf16", models: Iterable[str] = ()
+) -> dict[str, dict[str, float]]:
+    """Median lowering times of plain and amp value-and-grad in this process.
 
     Args:
+        size: the models' size (`benchmarks.workloads.trace_workloads`).
         repeats: timed rounds per function (after one untimed warm-up round).
         compute_dtype: amp's compute dtype.
+        models: keys of the models to measure (default: all).
 
     Returns:
-        ``{"unrolled": {...}, "scan": {...}}``, each with ``plain_s``, ``amp_s``,
-        ``ratio`` (amp over plain) and ``meets_target`` (1.0 or 0.0).
+        model key -> ``{"plain_s", "amp_s", "ratio"}`` (ratio: amp over plain).
     """
-    tokens = jax.ShapeDtypeStruct((BATCH, GPT2_SMALL.seq_len), jnp.int32)
+    available = trace_workloads(size)
     results = {}
-    for name, scan_layers in (("unrolled", False), ("scan", True)):
-        config = dataclasses.replace(GPT2_SMALL, scan_layers=scan_layers)
-        model = eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
-        args = (model, tokens, tokens)
-        amp_loss = lambda: jaxamp.amp(lm_loss, compute_dtype=compute_dtype)  # noqa: E731
-        medians = median_lower_seconds(
-            {
-                "plain": (lambda: jax.value_and_grad(lm_loss), args),
-                "amp": (lambda: jax.value_and_grad(amp_loss()), args),
-            },
-            repeats,
-        )
-        ratio = medians["amp"] / medians["plain"]
-        results[name] = {
-            "plain_s": medians["plain"],
-            "amp_s": medians["amp"],
-            "ratio": ratio,
-            "meets_target": float(ratio <= TARGET_RATIO),
+    for key in models or available:
+        workload = available[key]
+        args = workload.abstract_args()
+        builders = {
+            "plain": (_value_and_grad_builder(workload.loss_fn, False, compute_dtype), args),
+            "amp": (_value_and_grad_builder(workload.loss_fn, True, compute_dtype), args),
         }
+        medians = median_lower_seconds(builders, repeats)
+        results[key] = _summary(medians["plain"], medians["amp"])
     return results
 
 
-def format_results(results: dict[str, dict[str, float]]) -> str:
-    """A small text table of `measure`'s results."""
-    lines = [f"{'layers':<9} {'plain':>8} {'amp':>8} {'ratio':>6}  target <= {TARGET_RATIO}"]
-    for name, r in results.items():
-        verdict = "ok" if r["meets_target"] else "MISSED"
-        lines.append(
-            f"{name:<9} {r['plain_s']:>7.3f}s {r['amp_s']:>7.3f}s {r['ratio']:>6.2f}  {verdict}"
-        )
+def cold_lower_seconds(size: str, model: str, amp: bool, compute_dtype: str = "bf16") -> dict:
+    """Time this process's first lowering of one model's value-and-grad (worker side).
+
+    Call it in a fresh process (`cold` does, through `benchmarks.worker`): in
+    any other, JAX's caches are warm.
+
+    Args:
+        size: the models' size (`benchmarks.workloads.trace_workloads`).
+        model: the model's key.
+        amp: lower ``value_and_grad(jaxamp.amp(loss))`` rather than ``value_and_grad(loss)``.
+        compute_dtype: amp's compute dtype.
+
+    Returns:
+        ``{"seconds": ...}``.
+    """
+    workload = trace_workloads(size)[model]
+    # Outside the timer, identical for plain and amp: the abstract model (which
+    # also starts JAX's backend) and a collection of the garbage it left.
+    args = workload.abstract_args()
+    jax.devices()
+    gc.collect()
+    start = time.perf_counter()
+    jax.jit(jax.value_and_grad(_loss(workload.loss_fn, amp, compute_dtype))).lower(*args)
+    return {"seconds": time.perf_counter() - start}
+
+
+def cold(
+    size: str = "full", runs: int = 3, compute_dtype: str = "bf16", models: Iterable[str] = ()
+) -> dict[str, dict]:
+    """Median first-lowering times of plain and amp value-and-grad, each in a fresh process.
+
+    For each model, `runs` rounds of one plain and one amp process
+    (`cold_lower_seconds`), alternating.
+
+    Args:
+        size: the models' size (`benchmarks.workloads.trace_workloads`).
+        runs: processes per model and per function.
+        compute_dtype: amp's compute dtype.
+        models: keys of the models to measure (default: all).
+
+    Returns:
+        model key -> ``{"plain_s", "amp_s", "ratio", "plain_runs", "amp_runs"}``
+        (medians, their ratio and every run's seconds), or ``{"error": ...}``
+        when a process failed.
+    """
+    return {
+        key: _cold_one(size, key, runs, compute_dtype) for key in models or trace_workloads(size)
+    }
+
+
+def _cold_one(size: str, model: str, runs: int, compute_dtype: str) -> dict:
+    samples: dict[str, list[float]] = {"plain": [], "amp": []}
+    for _ in range(runs):
+        for name, amp in (("plain", False), ("amp", True)):
+            kwargs = {"size": size, "model": model, "amp": amp, "compute_dtype": compute_dtype}
+            out = worker.run(cold_lower_seconds, kwargs, timeout_s=_COLD_TIMEOUT_S)
+            if "error" in out:
+                return {"error": f"{name}: {out['error']}"}
+            samples[name].append(out["seconds"])
+    plain, amp = (statistics.median(samples[name]) for name in ("plain", "amp"))
+    return {**_summary(plain, amp), "plain_runs": samples["plain"], "amp_runs": samples["amp"]}
+
+
+def measure(
+    size: str = "full",
+    repeats: int = 7,
+    cold_runs: int = 3,
+    compute_dtype: str = "bf16",
+    models: Iterable[str] = (),
+) -> dict[str, dict]:
+    """`warm` and `cold` overhead of every model.
+
+    Args:
+        size: the models' size (`benchmarks.workloads.trace_workloads`).
+        repeats: `warm`'s timed rounds.
+        cold_runs: `cold`'s processes per model and function; 0 skips `cold`.
+        compute_dtype: amp's compute dtype.
+        models: keys of the models to measure (default: all).
+
+    Returns:
+        model key -> ``{"title": ..., "warm": ..., "cold": ...}`` with `warm`'s
+        and `cold`'s figures (``"cold"`` missing when `cold_runs` is 0).
+    """
+    available = trace_workloads(size)
+    keys = list(models or available)
+    results = {key: {"title": available[key].title} for key in keys}
+    for key, figures in warm(size, repeats, compute_dtype, keys).items():
+        results[key]["warm"] = figures
+    if cold_runs:
+        for key, figures in cold(size, cold_runs, compute_dtype, keys).items():
+            results[key]["cold"] = figures
+    return results
+
+
+def format_results(results: dict[str, dict]) -> str:
+    """A plain-text table of `measure`'s results: one row per model and setting."""
+    lines = [f"{'model':<14} {'trace':<5} {'plain':>8} {'amp':>8} {'amp/plain':>9}"]
+    for key, per_setting in results.items():
+        for setting in ("warm", "cold"):
+            r = per_setting.get(setting)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"{key:<14} {setting:<5} !! {r['error']}")
+                continue
+            lines.append(
+                f"{key:<14} {setting:<5} {r['plain_s']:>7.3f}s {r['amp_s']:>7.3f}s "
+                f"{r['ratio']:>9.2f}"
+            )
+    lines += [f"{key}: {r['title']}" for key, r in results.items()]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    """Command-line entry point; returns `measure`'s results."""
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    """Command-line entry point: print `measure`'s table and its targets; return the results."""
     parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.trace_overhead",
         description=(
             "Time jax.jit(jax.value_and_grad(amp(f))).lower(...) against the same for f, "
-            "for a 12-layer GPT-2-small-shaped model written unrolled and with lax.scan."
-        )
+            "warm (median of repeats in this process) and cold (first lowering in a fresh "
+            "process), for GPT-2 small unrolled, under lax.scan and unrolled at 24 layers."
+        ),
     )
     parser.add_argument(
-        "--repeats", type=int, default=7, help="timed lowerings per function (default: 7)"
+        "--repeats", type=int, default=7, help="timed warm lowerings per function (default: 7)"
     )
+    parser.add_argument(
+        "--cold-runs",
+        type=int,
+        default=3,
+        help="fresh processes per model and function for the cold figure; 0 skips it (default: 3)",
+    )
+    parser.add_argument("--size", choices=SIZES, default="full", help="model size (default: full)")
     parser.add_argument(
         "--compute-dtype", default="bf16", help="amp's compute dtype (default: bf16)"
     )
     args = parser.parse_args(argv)
-    results = measure(args.repeats, args.compute_dtype)
-    print(f"JAX {jax.__version__}, 12-layer GPT, median of {args.repeats} lowerings")
+    results = measure(args.size, args.repeats, args.cold_runs, args.compute_dtype)
+    print(
+        f"JAX {jax.__version__}: median of {args.repeats} warm lowerings, "
+        f"{args.cold_runs} cold processes per function"
+    )
     print(format_results(results))
+    as_run = {"settings": {"size": args.size}, "trace_overhead": results}
+    print(targets.format_figure(as_run, "trace overhead"))
     return results
 
 

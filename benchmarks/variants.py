@@ -1,22 +1,29 @@
-"""The five precision variants the benchmarks compare, applied to any loss function.
+"""The six precision variants the benchmarks compare, applied to any loss function.
 
-=================  =========================================================
-``f32``            the loss as written (float32 everywhere)
-``hand_bf16``      jmp style: parameters and inputs cast to bfloat16 at the top
-                   with a `jaxamp.Policy`, the loss upcast to float32 by the
-                   model code (`benchmarks.models.cross_entropy`)
-``amp_bf16``       ``jaxamp.amp(loss, compute_dtype="bf16")``
-``amp_f16_scaled`` ``jaxamp.amp(loss, compute_dtype="f16")`` differentiated by
-                   `jaxamp.dynamic_scale_value_and_grad`, skipping the
-                   optimizer step when the gradients are not finite
-``amp_fp8``        ``jaxamp.amp(loss, compute_dtype="fp8")``: amp bf16 with
-                   float8 matmuls (current scaling; README "## float8")
-=================  =========================================================
+===================  =======================================================
+``f32``              the loss as written (float32 everywhere)
+``hand_bf16``        jmp style: parameters and inputs cast to bfloat16 at the
+                     top with a `jaxamp.Policy`, the loss upcast to float32 by
+                     the model code (`benchmarks.models.cross_entropy`)
+``amp_bf16``         ``jaxamp.amp(loss, compute_dtype="bf16")``
+``hand_f16_scaled``  ``hand_bf16`` with float16 (policy ``p=f32,c=f16,o=f32``),
+                     with the same dynamic loss scaling as ``amp_f16_scaled``
+``amp_f16_scaled``   ``jaxamp.amp(loss, compute_dtype="f16")`` differentiated by
+                     `jaxamp.dynamic_scale_value_and_grad`, skipping the
+                     optimizer step when the gradients are not finite
+``amp_fp8``          ``jaxamp.amp(loss, compute_dtype="fp8")``: amp bf16 with
+                     float8 matmuls (current scaling; README "## float8")
+===================  =======================================================
+
+Each amp variant is compared with the hand-cast variant of its compute dtype
+(`Variant.compare_with`): what amp should match is what a careful user writes
+by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +35,7 @@ import jaxamp
 __all__ = ["VARIANTS", "Variant", "hand_cast"]
 
 _HAND_CAST_POLICY = jaxamp.get_policy("p=f32,c=bf16,o=f32")
+_HAND_CAST_F16_POLICY = jaxamp.get_policy("p=f32,c=f16,o=f32")
 
 
 def hand_cast(loss_fn: Callable, policy: jaxamp.Policy = _HAND_CAST_POLICY) -> Callable:
@@ -54,12 +62,15 @@ class Variant:
         label: what tables and plots call it.
         wrap: ``wrap(loss_fn) -> loss_fn`` applying the precision choice.
         scaled: differentiate with dynamic loss scaling.
+        compare_with: key of the hand-cast variant the tables set this one
+            against (the same compute dtype; bf16 for float32 and fp8).
     """
 
     key: str
     label: str
     wrap: Callable[[Callable], Callable]
     scaled: bool = False
+    compare_with: str = "hand_bf16"
 
     def init_scaler(self) -> jaxamp.DynamicScalerState | None:
         """The loss-scaler state the gradient function starts from (None if unscaled)."""
@@ -126,14 +137,22 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant("f32", "float32", _identity),
         Variant("hand_bf16", "hand-cast bf16", hand_cast),
-        Variant("amp_bf16", "amp bf16", lambda f: jaxamp.amp(f, compute_dtype="bf16")),
+        Variant("amp_bf16", "amp bf16", functools.partial(jaxamp.amp, compute_dtype="bf16")),
+        Variant(
+            "hand_f16_scaled",
+            "hand-cast f16 + dynamic scaling",
+            functools.partial(hand_cast, policy=_HAND_CAST_F16_POLICY),
+            scaled=True,
+            compare_with="hand_f16_scaled",
+        ),
         Variant(
             "amp_f16_scaled",
             "amp f16 + dynamic scaling",
-            lambda f: jaxamp.amp(f, compute_dtype="f16"),
+            functools.partial(jaxamp.amp, compute_dtype="f16"),
             scaled=True,
+            compare_with="hand_f16_scaled",
         ),
-        Variant("amp_fp8", "amp fp8", lambda f: jaxamp.amp(f, compute_dtype="fp8")),
+        Variant("amp_fp8", "amp fp8", functools.partial(jaxamp.amp, compute_dtype="fp8")),
     )
 }
 """The variants by key, in the order tables list them."""

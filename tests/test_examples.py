@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `benchmarks` is a package at the repository root
+from benchmarks import measure, report
 
-from benchmarks import measure, report  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_example(name):
@@ -122,7 +121,7 @@ def test_markdown_sections_are_replaced_by_label(tmp_path):
                 jax="0", jaxlib="0", python="3", date="today",
             ),  # fmt: skip
             "elapsed_s": 1.0,
-            "command": "python benchmarks/run.py",
+            "command": "python -m benchmarks.run",
             "workloads": {"gpt": "GPT"},
             "models": {"gpt": {"f32": {"lower_s": value}, "amp_bf16": {"lower_s": 2 * value}}},
         }

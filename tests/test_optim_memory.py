@@ -6,15 +6,10 @@ with a Kahan buffer on top. Scalars (step counts, PRNG keys) add a few bytes in
 all, hence the tolerance.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is at the root
-
-from benchmarks.models import GPTConfig  # noqa: E402
-from benchmarks.optimizer_memory import measure  # noqa: E402
+from benchmarks.models import GPTConfig
+from benchmarks.optimizer_memory import measure
 
 SMALL = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2)
 

@@ -1,0 +1,219 @@
+"""The benchmark suite's own machinery: converts counters, targets, worker, command line.
+
+These check what the suite computes and reports, never how fast anything is:
+timings on a shared CI machine prove nothing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import measure, report, run, step_time, targets, trace_overhead, worker
+from benchmarks.variants import VARIANTS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Compiled HLO as this JAX prints it: converts at top level, inside a fusion, of
+# a scalar, and look-alikes that are not converts.
+_HLO = """\
+%fused_computation.1 (param_0.6: f32[8,8]) -> f32[8,8] {
+  %param_0.6 = f32[8,8]{1,0} parameter(0)
+  %convert_element_type.0 = bf16[8,8]{1,0} convert(%param_0.6), metadata={op_name="jit(f)/convert_element_type" stack_frame_id=4}
+  %convert.11 = f32[8,8]{1,0} convert(%convert_element_type.0)
+  ROOT %mul.0 = f32[8,8]{1,0} multiply(%convert.11, %convert.11)
+}
+
+%wrapped_convert_computation (param_0.7: f32[8,8]) -> f16[8,8] {
+  %param_0.7 = f32[8,8]{1,0} parameter(0)
+  ROOT %convert_element_type.1 = f16[8,8]{1,0} convert(%param_0.7), metadata={op_name="jit(f)/convert_element_type"}
+}
+
+ENTRY %main.1 (a.1: f32[8,8], s.1: f32[]) -> f16[8,8] {
+  %a.1 = f32[8,8]{1,0} parameter(0), metadata={op_name="a"}
+  %s.1 = f32[] parameter(1)
+  %s.2 = bf16[] convert(%s.1)
+  %b.1 = s32[8,8]{1,0} bitcast-convert(%a.1)
+  %f = f32[8,8]{1,0} fusion(%a.1), kind=kLoop, calls=%fused_computation.1
+  ROOT %wrapped_convert = f16[8,8]{1,0} fusion(%f), kind=kLoop, calls=%wrapped_convert_computation
+}
+"""
+
+
+def test_compiled_converts_counter_reads_hlo_text():
+    # Two in the fusion, one wrapped, one scalar; not bitcast-convert, not the
+    # fusion that calls the wrapped convert, not the metadata.
+    assert measure.count_compiled_converts(_HLO) == 4
+
+
+def test_converts_of_a_tiny_function_lowered_and_compiled():
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    lowered = jax.jit(lambda a: a.astype(jnp.float16)).lower(x)
+    assert measure.count_converts(lowered.as_text()) == 1
+    assert measure.count_compiled_converts(lowered.compile().as_text()) == 1
+    # Float32 all the way: nothing to convert, before or after XLA.
+    lowered = jax.jit(lambda a: jnp.sin(a) * 2.0).lower(x)
+    assert measure.count_converts(lowered.as_text()) == 0
+    assert measure.count_compiled_converts(lowered.compile().as_text()) == 0
+
+
+def _results(size="full", backend="cpu"):
+    """A hand-made results dict: some targets met, some missed, the rest absent."""
+    return {
+        "settings": {"size": size},
+        "machine": {"backend": backend},
+        "models": {
+            "gpt": {
+                "hand_bf16": {"residual_bytes": 100, "compiled_converts": 10, "step_s": 1.0},
+                "amp_bf16": {"residual_bytes": 90, "compiled_converts": 12, "step_s": 1.01},
+                "f32": {"step_s": 1.2},
+            },
+        },
+        "trace_overhead": {
+            "unrolled": {"warm": {"ratio": 1.05}, "cold": {"ratio": 1.5}},
+            "scan": {"warm": {"ratio": 1.08}, "cold": {"error": "timed out after 300s"}},
+        },
+        "eager": {"ratio": 1.2},
+    }
+
+
+def _by_name(rows):
+    return {row["target"]: row for row in rows}
+
+
+def test_targets_met_missed_and_not_measured():
+    rows = targets.evaluate(_results())
+    assert [r["target"] for r in rows] == [t.name for t in targets.TARGETS]
+    assert len({t.name for t in targets.TARGETS}) == len(targets.TARGETS)
+    by_name = _by_name(rows)
+    status = {name: row["status"] for name, row in by_name.items()}
+    unrolled = "GPT-2 small unrolled: amp / plain lowering"
+    assert status[f"trace overhead, warm, {unrolled}"] == targets.MET
+    assert status[f"trace overhead, cold, {unrolled}"] == targets.MISSED
+    # A failed figure and one never measured are reported, not dropped.
+    cold_scan = by_name["trace overhead, cold, GPT-2 small under lax.scan: amp / plain lowering"]
+    assert cold_scan["status"] == targets.NOT_MEASURED and cold_scan["value"] is None
+    deep = "trace overhead, warm, 24-layer GPT unrolled: amp / plain lowering"
+    assert status[deep] == targets.NOT_MEASURED
+    assert status["eager overhead, 8-layer MLP: amp / plain per call"] == targets.MET
+    residuals = by_name["GPT-2 small: amp bf16 / hand-cast bf16 residual bytes"]
+    assert residuals["status"] == targets.MET and residuals["value"] == pytest.approx(0.9)
+    converts = by_name["GPT-2 small: amp bf16 / hand-cast bf16 compiled converts"]
+    assert converts["status"] == targets.MISSED and converts["value"] == pytest.approx(1.2)
+    assert status["ResNet: amp bf16 / hand-cast bf16 residual bytes"] == targets.NOT_MEASURED
+    # Step times count on a GPU only, even when measured elsewhere.
+    step = "GPT-2 small: amp bf16 / hand-cast bf16 step time"
+    assert status[step] == targets.NOT_MEASURED and "GPU" in by_name[step]["note"]
+
+
+def test_targets_on_a_gpu_and_on_toy_shapes():
+    on_gpu = _by_name(targets.evaluate(_results(backend="gpu")))
+    assert on_gpu["GPT-2 small: amp bf16 / hand-cast bf16 step time"]["status"] == targets.MET
+    f32 = on_gpu["GPT-2 small: float32 / amp bf16 step time"]  # at least 1.5
+    assert f32["status"] == targets.MISSED and not f32["at_most"]
+    fp8 = on_gpu["GPT-2 small: amp fp8 / amp bf16 step time"]
+    assert fp8["status"] == targets.NOT_MEASURED and fp8["note"] == "figure missing"
+    tiny = targets.evaluate(_results(size="tiny"))
+    assert {row["status"] for row in tiny} == {targets.NOT_MEASURED}
+    residuals = _by_name(tiny)["GPT-2 small: amp bf16 / hand-cast bf16 residual bytes"]
+    assert residuals["value"] == pytest.approx(0.9)  # computed, but does not count
+    line = targets.format_row(residuals)
+    assert "0.900" in line and "<= 1.00" in line and "not measured" in line
+
+
+def test_worker_round_trip():
+    assert worker.task_name(step_time.worker_task) == "benchmarks.step_time:worker_task"
+    # Any importable function returning a dict will do: `dict` itself.
+    assert worker.run(dict, {"a": 1, "b": [2, "c"]}, timeout_s=60) == {"a": 1, "b": [2, "c"]}
+    failed = worker.run(os.getcwd, {}, timeout_s=60)
+    assert "returned str, not a dict" in failed["error"]
+    assert "timed out" in worker.run(dict, {}, timeout_s=0.001)["error"]
+
+
+def test_trace_overhead_warm_and_cold():
+    results = trace_overhead.measure(size="tiny", repeats=1, cold_runs=1, models=["scan"])
+    assert set(results) == {"scan"}
+    warm, cold = results["scan"]["warm"], results["scan"]["cold"]
+    assert warm["ratio"] == pytest.approx(warm["amp_s"] / warm["plain_s"])
+    # One fresh process each for plain and amp.
+    assert len(cold["plain_runs"]) == len(cold["amp_runs"]) == 1
+    assert cold["ratio"] == pytest.approx(cold["amp_s"] / cold["plain_s"])
+    text = trace_overhead.format_results(results)
+    assert "scan           warm" in text and "scan           cold" in text
+
+
+def test_markdown_shows_overheads_and_targets(tmp_path):
+    results = _results()
+    results.update(
+        label="m",
+        machine={
+            "backend": "cpu",
+            "device": "cpu",
+            "device_count": 1,
+            "cpu": "x",
+            "cpu_count": 2,
+            "jax": "0",
+            "jaxlib": "0",
+            "python": "3",
+            "date": "today",
+        },
+        elapsed_s=1.0,
+        command="python -m benchmarks.run",
+        workloads={"gpt": "GPT"},
+    )
+    for r in results["trace_overhead"].values():
+        r["title"] = "a GPT"
+        for figures in r.values():
+            if isinstance(figures, dict) and "ratio" in figures:
+                figures.update(plain_s=1.0, amp_s=figures["ratio"])
+    results["eager"].update(title="an MLP", plain_s=0.01, amp_s=0.012, calls=5)
+    results["targets"] = targets.evaluate(results)
+    md = tmp_path / "RESULTS.md"
+    report.update_markdown(md, results, tmp_path / "m.json", None)
+    text = md.read_text()
+    assert "| `unrolled` | warm | 1,000 | 1,050 | 1.05x |" in text
+    assert "| `scan` | cold | - | - | not measured: timed out after 300s |" in text
+    assert "an MLP: plain 10.00 ms, amp 12.00 ms per call, amp / plain 1.20" in text
+    missed = "trace overhead, cold, GPT-2 small unrolled: amp / plain lowering"
+    assert f"| {missed} | 1.500 | <= 1.25 | **MISSED** |" in text
+    assert all(f"| {t.name} |" in text for t in targets.TARGETS)
+
+
+def test_command_line_is_a_module():
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "--skip" in out.stdout and "--device-label" in out.stdout
+
+
+def test_tiny_run_writes_every_target(tmp_path):
+    # Compiling and the trace overhead take most of a run's time; they have
+    # their own tests above.
+    argv = [
+        "--size", "tiny", "--quick", "--models", "gpt", "--skip", "compiled,trace",
+        "--device-label", "test", "--results-dir", str(tmp_path),
+        "--results-md", str(tmp_path / "RESULTS.md"),
+    ]  # fmt: skip
+    returned = run.main(argv)
+    results = json.loads((tmp_path / "test.json").read_text())
+    assert results["label"] == "test" and set(results["models"]) == {"gpt"}
+    assert results["models"]["gpt"].keys() == returned["models"]["gpt"].keys()
+    assert list(results["models"]["gpt"]) == list(VARIANTS)
+    amp_fp8 = results["models"]["gpt"]["amp_fp8"]
+    assert amp_fp8["fp8_flop_share"] > 0.5 and amp_fp8["residual_bytes"] > 0
+    assert "compiled_converts" not in results["models"]["gpt"]["amp_bf16"]  # skipped
+    assert "trace_overhead" not in results and results["eager"]["ratio"] > 0
+    assert [t["target"] for t in results["targets"]] == [t.name for t in targets.TARGETS]
+    # Toy shapes: values are shown where measured, none counts.
+    assert {t["status"] for t in results["targets"]} == {targets.NOT_MEASURED}
+    md = (tmp_path / "RESULTS.md").read_text()
+    for heading in ("## test", "### Eager overhead", "### Targets", "| amp fp8 |"):
+        assert heading in md
+    assert all(f"| {t.name} |" in md for t in targets.TARGETS)
