@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -127,29 +129,35 @@ class AmpOptions:
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""
-        closed, flat_args, num_outs, rebuild = _trace(fn, args, kwargs)
-        ctx = self._context(observer=observer, inline=inline)
-        # Re-emitted straight into the caller's trace (grad, vmap, an outer jit),
-        # like the user's own code: calls keep their jaxprs (see
-        # `_compat.trace_keeping_calls`), so JAX differentiates each distinct
-        # body once and source lines stay the user's.
-        return rebuild(self._evaluate(closed, flat_args, num_outs, ctx))
+        with _collection_paused():
+            closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs)
+            ctx = self._context(observer=observer, inline=inline)
+            # Re-emitted straight into the caller's trace (grad, vmap, an outer
+            # jit), like the user's own code: calls keep their jaxprs (see
+            # `_compat.trace_keeping_calls`), so JAX differentiates each
+            # distinct body once and source lines stay the user's.
+            outs = self._evaluate(closed, flat_args, num_outs, ctx)
+        return rebuild(outs)
 
-    def rewrite(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, Callable]:
+    def rewrite(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list, Callable, bool]:
         """amp's program for ``fn(*args, **kwargs)`` as a jaxpr (what eager calls cache).
 
         Returns:
-            ``(program, rebuild)``: a closed jaxpr taking the array leaves of
-            the arguments, and ``rebuild(outs)``, building `fn`'s output from
-            the program's outputs.
+            ``(program, flat_args, rebuild, stateless)``: a closed jaxpr; its
+            inputs for this call (the array leaves of the arguments, or, when
+            flax nnx objects take part, of their state and the other
+            arguments); ``rebuild(outs)``, building `fn`'s output from the
+            program's outputs; and whether no nnx object takes part (else
+            their state is written back, or new ones created, per call).
         """
-        closed, flat_args, num_outs, rebuild = _trace(fn, args, kwargs)
-        ctx = self._context()
-        program = _compat.trace_keeping_calls(
-            lambda *flat: self._evaluate(closed, flat, num_outs, ctx),
-            [_compat.abstract_value(x) for x in flat_args],
-        )
-        return program, rebuild
+        with _collection_paused():
+            closed, flat_args, num_outs, rebuild, reusable = _trace(fn, args, kwargs)
+            ctx = self._context()
+            program = _compat.trace_keeping_calls(
+                lambda *flat: self._evaluate(closed, flat, num_outs, ctx),
+                [_compat.abstract_value(x) for x in flat_args],
+            )
+        return program, flat_args, rebuild, reusable
 
     def _context(self, observer=None, inline=False) -> AmpContext:
         return AmpContext(
@@ -168,6 +176,28 @@ class AmpOptions:
             # keeps its dtypes.
             outs[:num_outs] = [cast_value(x, self.output_dtype) for x in outs[:num_outs]]
         return outs
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while amp traces and rewrites.
+
+    Tracing allocates many short-lived objects, and amp traces the program
+    twice (the user's function, then the rewritten one): enough, on a 12-layer
+    GPT, to trigger a full collection that plain tracing does not reach, a
+    tenth of a second on the first call. Objects are still freed as soon as
+    nothing refers to them; only cyclic garbage waits for the end of the
+    block. Left as it is when it is already off (nested amp, or the user's
+    choice).
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _resolve_dtypes(
@@ -257,11 +287,12 @@ def _trace(fn: Callable, args: tuple, kwargs: dict):
     """Trace `fn` with the array leaves of its arguments as inputs.
 
     Returns:
-        ``(closed, flat_args, num_outs, rebuild)``: the jaxpr; its inputs; how
-        many of its leading outputs are `fn`'s own (the rest are the state that
-        `fn` changed in flax nnx objects among its arguments, see `_nnx`); and
-        ``rebuild(outs)``, which builds `fn`'s output from the evaluated outputs
-        and writes that state back into the caller's objects.
+        ``(closed, flat_args, num_outs, rebuild, stateless)``: the jaxpr; its
+        inputs; how many of its leading outputs are `fn`'s own (the rest are
+        the state that `fn` changed in flax nnx objects among its arguments,
+        see `_nnx`); ``rebuild(outs)``, which builds `fn`'s output from the
+        evaluated outputs and writes that state back into the caller's
+        objects; and whether no nnx object takes part.
     """
     nnx_call = _nnx.lift(fn, args, kwargs)
     if nnx_call is not None:
@@ -289,5 +320,6 @@ def _trace(fn: Callable, args: tuple, kwargs: dict):
         out = eqx.combine(jax.tree_util.tree_unflatten(out_tree, outs), out_static)
         return out if nnx_call is None else nnx_call.finish(out)
 
-    return closed, flat_args, num_outs, rebuild
+    stateless = nnx_call is None or nnx_call.holds_no_state
+    return closed, flat_args, num_outs, rebuild, stateless
 

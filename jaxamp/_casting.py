@@ -7,6 +7,9 @@ and "how a narrowing cast treats out-of-range values" are decided once.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
@@ -15,7 +18,31 @@ from jax import lax
 
 from ._dtypes import is_castable
 
-__all__ = ["cast_value", "dtype_of", "saturating_cast"]
+__all__ = ["cast_value", "dtype_of", "saturating_cast", "shared_casts"]
+
+# value id -> {dtype: (value, its cast)} for the jaxpr being interpreted.
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "jaxamp_shared_casts", default=None
+)
+
+
+@contextlib.contextmanager
+def shared_casts(casts: dict) -> Iterator[None]:
+    """Within this block, casting a value to a dtype `casts` has seen reuses that cast.
+
+    The evaluation loop keeps one `casts` dict per jaxpr and opens this block
+    around each rule call (rules run in that jaxpr's trace): a value read by
+    several float32-by-rule equations (a norm layer's input feeds its mean, its
+    centring and its variance) is converted once, not once per reader. Besides
+    the equations saved while tracing, every convert costs one in the backward
+    pass too, where XLA does not merge them (each reader's cotangent is
+    converted before they are summed).
+    """
+    token = _SHARED.set(casts)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 def dtype_of(x: Any) -> Any:
@@ -29,7 +56,16 @@ def cast_value(x: Any, dtype: Any) -> Any:
     current = dtype_of(x)
     if current == dtype or not (is_castable(current) and is_castable(dtype)):
         return x
-    return lax.convert_element_type(x, dtype)
+    shared = _SHARED.get()
+    if shared is None or isinstance(x, (int, float, np.ndarray, np.generic)):
+        return lax.convert_element_type(x, dtype)
+    casts = shared.setdefault(id(x), (x, {}))
+    if casts[0] is not x:  # an id reused after its value died: start afresh
+        casts = shared[id(x)] = (x, {})
+    key = np.dtype(dtype)
+    if key not in casts[1]:
+        casts[1][key] = lax.convert_element_type(x, dtype)
+    return casts[1][key]
 
 
 def saturating_cast(x: Any, dtype: Any) -> Any:

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -221,17 +222,39 @@ def eager_trace_context() -> Any:
         return None
 
 
-@contextlib.contextmanager
-def eqn_source(eqn: JaxprEqn) -> Iterator[None]:
+class eqn_source:  # noqa: N801  (a context manager used like a function)
     """Re-emit under `eqn`'s traceback and name stack, as `jax.core.eval_jaxpr` does.
 
     Keeps user source lines and named scopes on the rewritten program, so nested
-    amp calls, profilers and `jaxamp.explain` still see them.
+    amp calls, profilers and `jaxamp.explain` still see them. A class rather
+    than a generator context manager: it is entered once per equation.
     """
-    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-    with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack):
-        with eqn.ctx.manager:
-            yield
+
+    __slots__ = ("_managers",)
+
+    def __init__(self, eqn: JaxprEqn):
+        name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+        self._managers = (
+            _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack),
+            eqn.ctx.manager,
+        )
+
+    def __enter__(self) -> None:
+        outer, inner = self._managers
+        outer.__enter__()
+        try:
+            inner.__enter__()
+        except BaseException:
+            outer.__exit__(*sys.exc_info())
+            raise
+
+    def __exit__(self, *exc: Any) -> bool:
+        outer, inner = self._managers
+        try:
+            inner.__exit__(*exc)
+        finally:
+            outer.__exit__(*exc)
+        return False
 
 
 def eqn_user_frame(eqn: JaxprEqn) -> Any:

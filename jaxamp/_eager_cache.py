@@ -18,15 +18,14 @@ state that ``f`` reads without taking it as an argument (a global, an attribute
 of a closed-over object) is baked in at the first call of a signature.
 
 Not cached: calls with an unhashable static argument, calls made under a JAX
-transformation (their trace is cached by the transformation), and programs that
-have imported `flax.nnx` (its objects carry state that amp writes back, and
-which a cached program could not see change).
+transformation (their trace is cached by the transformation), and calls in
+which flax nnx objects take part (amp writes their state back, or creates
+them, per call).
 """
 
 from __future__ import annotations
 
 import collections
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -87,10 +86,16 @@ class EagerCache:
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
-            program, rebuild = options.rewrite(fn, args, kwargs)
-            entry = self._entries[key] = (_EagerProgram(program), rebuild)
-            if len(self._entries) > self.maxsize:
-                self._entries.popitem(last=False)
+            program, traced_args, rebuild, stateless = options.rewrite(fn, args, kwargs)
+            entry = (_EagerProgram(program), rebuild)
+            # Reused only if later calls' array leaves are exactly its inputs.
+            if stateless and len(traced_args) == len(flat_args) and all(
+                a is b for a, b in zip(traced_args, flat_args)
+            ):
+                self._entries[key] = entry
+                if len(self._entries) > self.maxsize:
+                    self._entries.popitem(last=False)
+            flat_args = traced_args
         else:
             self.hits += 1
             self._entries.move_to_end(key)
@@ -101,7 +106,7 @@ class EagerCache:
 def _cache_key(options: AmpOptions, args: tuple, kwargs: dict) -> tuple[Any, list] | None:
     # None: this call must not be cached (see the module docstring).
     trace_context = _compat.eager_trace_context()
-    if trace_context is None or "flax.nnx" in sys.modules:
+    if trace_context is None:
         return None
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     flat_args, in_tree = jax.tree_util.tree_flatten(dynamic)

@@ -71,20 +71,22 @@ _AMP_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     """`closed` re-traced under amp for operands as amp holds them."""
-    in_avals = _avals_like(closed.in_avals, invals)
     cacheable = ctx.observer is None and not ctx.inline
     # The policy is a `PolicyTable` snapshot, hashed by its contents, so a
     # table edited between calls never serves a body rewritten under the old one.
     # The body's statistics plan depends on its operands' classes at this call.
+    # The operands' dtypes stand for the avals traced with (`_avals_like` of
+    # the body's own avals and these dtypes), built only on a miss.
     statistics = ctx.statistics_inputs[1] if ctx.statistics_inputs is not None else None
-    key = (tuple(in_avals), ctx.compute_dtype, ctx.policy, ctx.scopes, statistics)
+    dtypes = tuple([dtype_of(v) for v in invals])
+    key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics)
     if cacheable:
         try:
             return _AMP_BODIES[closed][key]
         except (KeyError, TypeError):
             pass
     body = _amp_body(closed.jaxpr, closed.consts, ctx)
-    new = _compat.trace_to_closed_jaxpr(body, in_avals)
+    new = _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
     if cacheable:
         try:
             _AMP_BODIES.setdefault(closed, {})[key] = new

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from . import _compat
-from ._casting import dtype_of
+from ._casting import dtype_of, shared_casts
 from ._dtypes import is_castable
 from ._rules import PolicyTable, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
@@ -126,13 +126,13 @@ class AmpContext:
     call_sites: tuple[Any, ...] = ()
     statistics_inputs: tuple[Any, tuple] | None = None
 
-    def nested(self, eqn: Any) -> AmpContext:
+    def nested(self, eqn: Any, statistics_inputs: tuple[Any, tuple] | None = None) -> AmpContext:
         """The context for the bodies of `eqn`, a higher-order equation."""
         return dataclasses.replace(
             self,
             scopes=self.scopes + _compat.eqn_scopes(eqn),
             call_sites=self.call_sites + (eqn,),
-            statistics_inputs=None,
+            statistics_inputs=statistics_inputs,
         )
 
     def repeated(self, times: int) -> AmpContext:
@@ -201,21 +201,25 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     given = ctx.statistics_inputs
     plan = plan_statistics(jaxpr, *(given[1] if given is not None and given[0] is jaxpr else ()))
     regions = Regions(jaxpr, ctx.policy, ctx.scopes)
+    casts: dict = {}  # see `shared_casts`
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         handler = HANDLERS.get(eqn.primitive)
         with _compat.eqn_source(eqn):
             if handler is not None:
-                nested = ctx.nested(eqn)
-                if i in plan.call_inputs:
-                    body = _compat.call_body(eqn)
-                    nested = dataclasses.replace(
-                        nested, statistics_inputs=(body, plan.call_inputs[i])
-                    )
+                call_inputs = plan.call_inputs.get(i)
+                nested = ctx.nested(
+                    eqn, None if call_inputs is None else (_compat.call_body(eqn), call_inputs)
+                )
                 outvals = _run_handler(handler, ctx, nested, eqn, invals)
             else:
                 outvals = _apply_rule(
-                    ctx, eqn, invals, statistic=i in plan.statistics, bounded=i in plan.bounded
+                    ctx,
+                    eqn,
+                    invals,
+                    statistic=i in plan.statistics,
+                    bounded=i in plan.bounded,
+                    casts=casts,
                 )
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
@@ -307,6 +311,7 @@ def _apply_rule(
     force_original: bool = False,
     statistic: bool = False,
     bounded: bool = False,
+    casts: dict | None = None,
 ) -> Any:
     scopes = ctx.scopes + _compat.eqn_scopes(eqn)
     original = tuple(getattr(v.aval, "dtype", None) for v in eqn.invars)
@@ -326,7 +331,8 @@ def _apply_rule(
         new_invals, after = invals, tuple(rewrite.operand_dtypes)
         outvals = rewrite.fn(*invals)
     else:
-        new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)
+        with shared_casts({} if casts is None else casts):
+            new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)
         after = tuple(dtype_of(x) for x in new_invals)
         if not force_original:  # a handler that failed has warned already
             _warn_if_moved_back(eqn, choice, params, before, after, ctx.compute_dtype)

@@ -159,6 +159,15 @@ class GraphCall:
         out, created = self._export(out, copies)
         return out, ([leaf for _, leaf in changed], created)
 
+    @property
+    def holds_no_state(self) -> bool:
+        """No nnx object among the arguments, and (once traced) none in the output.
+
+        Such a call has nothing to write back or create, so its traced program
+        may be reused (amp's eager cache).
+        """
+        return not self._nodes and self._created_graphdef is None
+
     def finish(self, result: tuple[Any, tuple[list, Any]]) -> Any:
         """Write the evaluated updates into the caller's objects; return `fn`'s output.
 

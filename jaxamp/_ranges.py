@@ -235,6 +235,8 @@ def enter_call(facts: Sequence[Any], invars: Sequence[Any]) -> tuple[Any, ...]:
     it is not passed, to an `Outside` marker (the body cannot subtract it from
     anything, but may hand it back out, as ``jnp.where`` does).
     """
+    if all(f is None for f in facts):  # the common case, kept cheap
+        return tuple(facts)
     position = {v: i for i, v in enumerate(invars) if not isinstance(v, _compat.Literal)}
 
     def move(_, of):
@@ -264,6 +266,8 @@ def leave_call(
         call_invars: the call's operands.
         call_facts: the operands' facts at the call (what `Outside` stood for).
     """
+    if all(f is None for f in facts):
+        return list(facts)
     index = {v: i for i, v in enumerate(body_invars)}
 
     def move(fact, of):

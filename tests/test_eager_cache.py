@@ -143,3 +143,28 @@ def test_prng_key_and_numpy_arguments():
     key, x = jax.random.key(0), np.ones((3, 3), np.float32)
     a, b = g(key, x), g(key, x)
     assert float(a) == float(b) and g.eager_cache.hits == 1
+
+
+def test_flax_nnx_calls_with_state_are_not_reused_and_others_are():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = nnx.BatchStat(jnp.zeros(()))
+            self.w = nnx.Param(jnp.eye(16))
+
+        def __call__(self, x):
+            self.count.value = self.count.value + 1
+            return jnp.sum(x @ self.w.value)
+
+    model = Counter()
+    g = jaxamp.amp(lambda m, x: m(x), compute_dtype="bf16")
+    for _ in range(3):
+        g(model, X)
+    # Each call wrote its state back: a cached program would have replayed the first.
+    assert float(model.count.value) == 3.0 and len(g.eager_cache) == 0
+    # With flax.nnx imported, a call without nnx objects is still cached.
+    h = jaxamp.amp(_mlp, compute_dtype="bf16")
+    h(_params(), X)
+    h(_params(), X)
+    assert h.eager_cache.hits == 1
