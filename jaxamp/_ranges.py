@@ -17,8 +17,10 @@ Facts tracked per value (anything else has no fact):
   ``stop_gradient``, conversions and the broadcasts that put the reduced axes
   back where they were (``keepdims``); ``layout`` says whether the reduced axes
   are dropped (``"reduced"``) or present, of size 1 or full (``"aligned"``);
-* `NONPOSITIVE`: at most 0: ``x - m`` for an aligned ``m = MaxOf(x)``,
-  a literal <= 0, and ``max``/``min``/``select_n``/broadcasts of such values.
+* `NONPOSITIVE`: at most 0 (up to the rounding of a maximum converted to
+  another dtype: ``exp`` of it is then at most 1.004, still bounded): ``x - m``
+  for an aligned ``m = MaxOf(x)``, a literal <= 0, and
+  ``max``/``min``/``select_n``/broadcasts of such values.
 
 A ``MaxOf`` crosses into a called body (the ``jit``'d functions of
 ``jax.numpy``) when the variable it refers to is passed too: it is then
@@ -69,7 +71,13 @@ class Arg:
 
 @dataclasses.dataclass(frozen=True)
 class Outside:
-    """A variable of the caller not passed to the called body."""
+    """A variable of the caller not passed to the called body.
+
+    ``operand``: the position, at the call, of the first operand whose fact
+    refers to it, so that two facts about the same variable stay equal.
+    """
+
+    operand: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,8 +247,12 @@ def enter_call(facts: Sequence[Any], invars: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(facts)
     position = {v: i for i, v in enumerate(invars) if not isinstance(v, _compat.Literal)}
 
+    first: dict[Any, int] = {}
+    for k, fact in enumerate(facts):
+        _rebase(fact, lambda _, of: first.setdefault(of, k))
+
     def move(_, of):
-        return Arg(position[of]) if of in position else Outside()
+        return Arg(position[of]) if of in position else Outside(first[of])
 
     return tuple(_rebase(fact, move) for fact in facts)
 
@@ -272,12 +284,10 @@ def leave_call(
 
     def move(fact, of):
         if isinstance(of, Outside):
-            # The body passed a fact through: find the operand it came from.
-            for outer in call_facts:
-                found = outer.of if isinstance(outer, FiniteTest) else outer
-                if isinstance(found, MaxOf) and found.axes == fact.axes:
-                    return found.of
-            return None
+            # The body passed a fact through from this operand.
+            outer = call_facts[of.operand]
+            outer = outer.of if isinstance(outer, FiniteTest) else outer
+            return outer.of if isinstance(outer, MaxOf) else None
         source = call_invars[index[of]] if of in index else None
         return None if source is None or isinstance(source, _compat.Literal) else source
 

@@ -88,6 +88,15 @@ UNBOUNDED = {
             - jnp.max(s, -1, keepdims=True, where=jnp.eye(6, dtype=bool), initial=-jnp.inf)
         )
     ),
+    # logsumexp's guard, but guarding one maximum and passing on another.
+    "a guard of another maximum": lambda q, k: jnp.sum(
+        jnp.exp(
+            (s := _scores(q, k))
+            - jax.jit(lambda ma, mb: jnp.where(jnp.isfinite(ma), mb, 0.0))(
+                jnp.max(s, -1, keepdims=True), jnp.max(_scores(k, q), -1, keepdims=True)
+            )
+        )
+    ),
     "the max minus x": lambda q, k: jnp.sum(
         jnp.exp(jnp.max(s := _scores(q, k), -1, keepdims=True) - s)
     ),
