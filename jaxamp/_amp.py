@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
+from ._casting import cast_value
 from ._dtypes import canonical_compute_dtype
 from ._eager_cache import EagerCache
 from ._fp8 import FP8_NAMES, Fp8Recipe, as_recipe, with_fp8_matmuls
 from ._interpreter import AmpContext, interpret
-from ._casting import cast_value
 from ._rules import PolicyTable, default_amp_policy, freeze
 
 __all__ = ["AmpOptions", "amp"]

@@ -14,7 +14,6 @@ read has moved, which is the only error amp turns into a fallback.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
@@ -35,12 +34,12 @@ from jax._src.state.types import AbstractRef as _AbstractRef
 
 __all__ = [
     "BWD_RETURNS_LOGS",
+    "HAS_FLATTREE",
+    "HAS_INLINE_ENUM",
     "CatalogueOp",
     "ClosedJaxpr",
     "CustomVJPException",
     "DropVar",
-    "HAS_FLATTREE",
-    "HAS_INLINE_ENUM",
     "JaxInternalsChanged",
     "Jaxpr",
     "JaxprEqn",
@@ -222,7 +221,7 @@ def eager_trace_context() -> Any:
         return None
 
 
-class eqn_source:  # noqa: N801  (a context manager used like a function)
+class eqn_source:
     """Re-emit under `eqn`'s traceback and name stack, as `jax.core.eval_jaxpr` does.
 
     Keeps user source lines and named scopes on the rewritten program, so nested
@@ -248,7 +247,7 @@ class eqn_source:  # noqa: N801  (a context manager used like a function)
             outer.__exit__(*sys.exc_info())
             raise
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: object) -> bool:
         outer, inner = self._managers
         try:
             inner.__exit__(*exc)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -21,9 +21,9 @@ import numpy as np
 from . import _compat
 from ._casting import dtype_of, shared_casts
 from ._dtypes import is_castable
+from ._regions import Regions
 from ._rules import PolicyTable, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
-from ._regions import Regions
 from ._statistics import plan_statistics
 
 __all__ = [

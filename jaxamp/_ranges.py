@@ -39,11 +39,11 @@ from . import _compat
 
 __all__ = [
     "NONPOSITIVE",
-    "aliases",
     "Arg",
     "FiniteTest",
     "MaxOf",
     "Outside",
+    "aliases",
     "bounded",
     "enter_call",
     "leave_call",
@@ -134,8 +134,7 @@ def transfer(eqn: Any, operands: Sequence[Any], facts: Sequence[Any]) -> Any:
     if name == "reshape":
         return _reshape(facts[0], eqn)
     if name == "sub":
-        x, m = operands
-        fact = facts[1]
+        x, fact = operands[0], facts[1]
         # A maximum over every axis is a scalar: it broadcasts to any position.
         if isinstance(fact, MaxOf) and fact.of is x and (
             fact.layout == "aligned" or len(fact.axes) == len(_shape(x))
@@ -159,9 +158,13 @@ def transfer(eqn: Any, operands: Sequence[Any], facts: Sequence[Any]) -> Any:
         predicate, cases = facts[0], facts[1:]
         # logsumexp: where(is_finite(m), m, 0). Where m is not finite, x holds
         # an infinity (or only -inf), and the result is non-finite in float32 too.
-        if isinstance(predicate, FiniteTest) and len(cases) == 2:
-            if cases[0] == NONPOSITIVE and cases[1] == predicate.of:
-                return predicate.of
+        if (
+            isinstance(predicate, FiniteTest)
+            and len(cases) == 2
+            and cases[0] == NONPOSITIVE
+            and cases[1] == predicate.of
+        ):
+            return predicate.of
         return NONPOSITIVE if all(f == NONPOSITIVE for f in cases) else None
     return None
 
@@ -249,7 +252,7 @@ def enter_call(facts: Sequence[Any], invars: Sequence[Any]) -> tuple[Any, ...]:
 
     first: dict[Any, int] = {}
     for k, fact in enumerate(facts):
-        _rebase(fact, lambda _, of: first.setdefault(of, k))
+        _rebase(fact, lambda _, of, k=k: first.setdefault(of, k))
 
     def move(_, of):
         return Arg(position[of]) if of in position else Outside(first[of])

@@ -5,10 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import float_operand_dtypes
 
 import jaxamp
-from jaxamp import default_amp_policy, use_normalisation_precision, use_original_precision
-from jaxpr_walk import float_operand_dtypes
+from jaxamp import (
+    default_amp_policy,
+    use_normalisation_precision,
+    use_original_precision,
+)
 
 KEY_W, KEY_X = jax.random.split(jax.random.key(0))
 W = jax.random.normal(KEY_W, (16, 32)) / 4
@@ -62,7 +66,7 @@ def test_only_results_of_the_activations_shape_are_rounded():
     tanhs = float_operand_dtypes(jaxpr, ("tanh",))
     assert tanhs == [("tanh", (jnp.bfloat16,))]
     # The statistic (another shape) leaves in float32: amp returns it as is.
-    out, mean = jaxamp.amp(_stats_layer, compute_dtype="bf16", amp_policy=table)(W, X)
+    _, mean = jaxamp.amp(_stats_layer, compute_dtype="bf16", amp_policy=table)(W, X)
     np.testing.assert_allclose(mean, jnp.mean(X @ W, axis=0), rtol=2e-2, atol=2e-2)
 
 
