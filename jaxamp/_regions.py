@@ -18,6 +18,7 @@ float32 in the first place.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,11 +34,23 @@ _EXITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _handing_on_scopes(policy: Mapping[Any, Any]) -> frozenset[str]:
+    # Asked once per interpreted jaxpr: a scan of the whole table, so cached
+    # per table (a `PolicyTable` hashes by its contents, computed once).
+    try:
+        return _handing_on_scopes_of_table(policy)
+    except TypeError:  # a table with an unhashable rule
+        return _scan_for_handing_on_scopes(policy)
+
+
+def _scan_for_handing_on_scopes(policy: Mapping[Any, Any]) -> frozenset[str]:
     return frozenset(
         key
         for key, rule in policy.items()
         if isinstance(key, str) and getattr(rule, "hands_on_in_compute_dtype", False)
     )
+
+
+_handing_on_scopes_of_table = functools.lru_cache(maxsize=32)(_scan_for_handing_on_scopes)
 
 
 def _region_exits(jaxpr: Any, scopes: frozenset[str]) -> tuple[list, dict[int, tuple[int, ...]]]:

@@ -161,12 +161,12 @@ def _plan(
             return _ranges.literal_fact(v.val)
         return ranges.get(v)
 
+    bodies = [_compat.call_body(eqn) for eqn in jaxpr.eqns]
     # Walk backwards first to know which variables end up summed: a square
     # is a second moment only if it is summed.
     for i in reversed(range(len(jaxpr.eqns))):
-        eqn = jaxpr.eqns[i]
+        eqn, body = jaxpr.eqns[i], bodies[i]
         name = eqn.primitive.name
-        body = _compat.call_body(eqn)
         if name == "reduce_sum" or (
             name in _TRANSPARENT and any(o in summed for o in eqn.outvars)
         ):
@@ -180,13 +180,12 @@ def _plan(
                 if s and not isinstance(v, _compat.Literal)
             )
 
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i, (eqn, body) in enumerate(zip(jaxpr.eqns, bodies)):
         name = eqn.primitive.name
         ins = [of(v) for v in eqn.invars]
         outs = [OTHER] * len(eqn.outvars)
         facts = [range_of(v) for v in eqn.invars]
         operands = [alias.get(v, v) if not isinstance(v, _compat.Literal) else v for v in eqn.invars]
-        body = _compat.call_body(eqn)
         alias.update((eqn.outvars[o], operands[k]) for o, k in _ranges.aliases(eqn, body).items())
         if body is None and len(eqn.outvars) == 1:
             ranges[eqn.outvars[0]] = _ranges.transfer(eqn, operands, facts)
