@@ -217,3 +217,8 @@ def test_tiny_run_writes_every_target(tmp_path):
     for heading in ("## test", "### Eager overhead", "### Targets", "| amp fp8 |"):
         assert heading in md
     assert all(f"| {t.name} |" in md for t in targets.TARGETS)
+    # The float8 column (issue 14): the amp fp8 row shows its float8 FLOP share.
+    header = next(line for line in md.splitlines() if line.startswith("| variant |"))
+    fp8_column = [c.strip() for c in header.split("|")].index("float8 FLOPs")
+    fp8_row = next(line for line in md.splitlines() if line.startswith("| amp fp8 |"))
+    assert fp8_row.split("|")[fp8_column].strip() == f"{100 * amp_fp8['fp8_flop_share']:.1f}%"
