@@ -130,7 +130,7 @@ def _trace_overhead_lines(overhead: dict | None) -> list[str]:
     """Markdown rows of the trace overhead: one per model and setting (warm, cold)."""
     if not overhead:
         return []
-    lines = ["", "### Trace overhead: lowering value-and-grad, amp / plain", ""]
+    lines = ["", "### Trace overhead: lowering value-and-grad, amp / plain and amp / hand-cast", ""]
     if "error" in overhead:
         return [*lines, f"- not measured: {overhead['error']}"]
     rows = []
@@ -140,18 +140,21 @@ def _trace_overhead_lines(overhead: dict | None) -> list[str]:
             if r is None:
                 continue
             if "error" in r:
-                rows.append([f"`{key}`", setting, "-", "-", f"not measured: {r['error']}"])
+                rows.append([f"`{key}`", setting, "-", "-", "-", f"not measured: {r['error']}", "-"])
                 continue
             rows.append(
                 [
                     f"`{key}`",
                     setting,
                     _fmt(r["plain_s"], 1e-3, 0),
+                    _fmt(r["hand_s"], 1e-3, 0),
                     _fmt(r["amp_s"], 1e-3, 0),
                     f"{r['ratio']:.2f}x",
+                    f"{r['ratio_to_hand']:.2f}x",
                 ]
             )
-    lines += _markdown_table(["model", "trace", "plain (ms)", "amp (ms)", "amp / plain"], rows)
+    header = ["model", "trace", "plain (ms)", "hand-cast (ms)", "amp (ms)", "amp / plain", "amp / hand-cast"]
+    lines += _markdown_table(header, rows)
     lines += [""] + [f"- `{key}`: {r['title']}" for key, r in overhead.items() if "title" in r]
     return lines
 

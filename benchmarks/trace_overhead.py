@@ -5,7 +5,11 @@ For each model of `benchmarks.workloads.trace_workloads` (GPT-2 small with its
 
     jax.jit(jax.value_and_grad(jaxamp.amp(loss, compute_dtype="bf16"))).lower(model, tokens, targets)
 
-with the same for ``loss`` itself, in two settings:
+with the same for ``loss`` itself (the target's baseline) and for ``loss``
+cast by hand to the same compute dtype (`benchmarks.variants.hand_cast`, jmp
+style): a mixed-precision program costs more to differentiate and lower than a
+float32 one whoever writes the casts (more distinct dtypes, more converts), so
+amp / hand-cast is the part of the overhead that is amp's own. Two settings:
 
 * **warm** (`warm`): the median of repeated lowerings in one process, each of a
   freshly built function (`benchmarks.measure.median_lower_seconds`), after one
@@ -37,6 +41,7 @@ import jax
 import jaxamp
 from benchmarks import targets, worker
 from benchmarks.measure import median_lower_seconds
+from benchmarks.variants import hand_cast
 from benchmarks.workloads import SIZES, trace_workloads
 
 __all__ = ["cold", "cold_lower_seconds", "format_results", "main", "measure", "warm"]
@@ -44,23 +49,35 @@ __all__ = ["cold", "cold_lower_seconds", "format_results", "main", "measure", "w
 _COLD_TIMEOUT_S = 300.0
 
 
-def _loss(loss_fn, amp: bool, compute_dtype: str):
-    return jaxamp.amp(loss_fn, compute_dtype=compute_dtype) if amp else loss_fn
+# The functions compared, in the order they take turns.
+FUNCTIONS = ("plain", "hand", "amp")
 
 
-def _value_and_grad_builder(loss_fn, amp: bool, compute_dtype: str):
+def _loss(loss_fn, function: str, compute_dtype: str):
+    if function == "amp":
+        return jaxamp.amp(loss_fn, compute_dtype=compute_dtype)
+    if function == "hand":
+        return hand_cast(loss_fn, jaxamp.get_policy(f"p=f32,c={compute_dtype},o=f32"))
+    return loss_fn
+
+
+def _value_and_grad_builder(loss_fn, function: str, compute_dtype: str):
     # A new function on every call, so that no trace cache answers for a repeat.
-    return lambda: jax.value_and_grad(_loss(loss_fn, amp, compute_dtype))
+    return lambda: jax.value_and_grad(_loss(loss_fn, function, compute_dtype))
 
 
-def _summary(plain: float, amp: float) -> dict[str, float]:
-    return {"plain_s": plain, "amp_s": amp, "ratio": amp / plain}
+def _summary(seconds: dict[str, float]) -> dict[str, float]:
+    return {
+        **{f"{name}_s": seconds[name] for name in FUNCTIONS},
+        "ratio": seconds["amp"] / seconds["plain"],
+        "ratio_to_hand": seconds["amp"] / seconds["hand"],
+    }
 
 
 def warm(
     size: str = "full", repeats: int = 7, compute_dtype: str = "bf16", models: Iterable[str] = ()
 ) -> dict[str, dict[str, float]]:
-    """Median lowering times of plain and amp value-and-grad in this process.
+    """Median lowering times of plain, hand-cast and amp value-and-grad in this process.
 
     Args:
         size: the models' size (`benchmarks.workloads.trace_workloads`).
@@ -69,7 +86,8 @@ def warm(
         models: keys of the models to measure (default: all).
 
     Returns:
-        model key -> ``{"plain_s", "amp_s", "ratio"}`` (ratio: amp over plain).
+        model key -> ``{"plain_s", "hand_s", "amp_s", "ratio", "ratio_to_hand"}``
+        (ratio: amp over plain; ratio_to_hand: amp over hand-cast).
     """
     available = trace_workloads(size)
     results = {}
@@ -77,15 +95,14 @@ def warm(
         workload = available[key]
         args = workload.abstract_args()
         builders = {
-            "plain": (_value_and_grad_builder(workload.loss_fn, False, compute_dtype), args),
-            "amp": (_value_and_grad_builder(workload.loss_fn, True, compute_dtype), args),
+            name: (_value_and_grad_builder(workload.loss_fn, name, compute_dtype), args)
+            for name in FUNCTIONS
         }
-        medians = median_lower_seconds(builders, repeats)
-        results[key] = _summary(medians["plain"], medians["amp"])
+        results[key] = _summary(median_lower_seconds(builders, repeats))
     return results
 
 
-def cold_lower_seconds(size: str, model: str, amp: bool, compute_dtype: str = "bf16") -> dict:
+def cold_lower_seconds(size: str, model: str, function: str, compute_dtype: str = "bf16") -> dict:
     """Time this process's first lowering of one model's value-and-grad (worker side).
 
     Call it in a fresh process (`cold` does, through `benchmarks.worker`): in
@@ -94,30 +111,31 @@ def cold_lower_seconds(size: str, model: str, amp: bool, compute_dtype: str = "b
     Args:
         size: the models' size (`benchmarks.workloads.trace_workloads`).
         model: the model's key.
-        amp: lower ``value_and_grad(jaxamp.amp(loss))`` rather than ``value_and_grad(loss)``.
-        compute_dtype: amp's compute dtype.
+        function: ``"plain"`` (``value_and_grad(loss)``), ``"hand"`` (``loss``
+            cast by hand) or ``"amp"`` (``value_and_grad(jaxamp.amp(loss))``).
+        compute_dtype: amp's and the hand casts' compute dtype.
 
     Returns:
         ``{"seconds": ...}``.
     """
     workload = trace_workloads(size)[model]
-    # Outside the timer, identical for plain and amp: the abstract model (which
+    # Outside the timer, identical for every function: the abstract model (which
     # also starts JAX's backend) and a collection of the garbage it left.
     args = workload.abstract_args()
     jax.devices()
     gc.collect()
     start = time.perf_counter()
-    jax.jit(jax.value_and_grad(_loss(workload.loss_fn, amp, compute_dtype))).lower(*args)
+    jax.jit(jax.value_and_grad(_loss(workload.loss_fn, function, compute_dtype))).lower(*args)
     return {"seconds": time.perf_counter() - start}
 
 
 def cold(
     size: str = "full", runs: int = 3, compute_dtype: str = "bf16", models: Iterable[str] = ()
 ) -> dict[str, dict]:
-    """Median first-lowering times of plain and amp value-and-grad, each in a fresh process.
+    """Median first-lowering times of plain, hand-cast and amp value-and-grad, each in a fresh process.
 
-    For each model, `runs` rounds of one plain and one amp process
-    (`cold_lower_seconds`), alternating.
+    For each model, `runs` rounds of one plain, one hand-cast and one amp
+    process (`cold_lower_seconds`), taking turns.
 
     Args:
         size: the models' size (`benchmarks.workloads.trace_workloads`).
@@ -126,8 +144,9 @@ def cold(
         models: keys of the models to measure (default: all).
 
     Returns:
-        model key -> ``{"plain_s", "amp_s", "ratio", "plain_runs", "amp_runs"}``
-        (medians, their ratio and every run's seconds), or ``{"error": ...}``
+        model key -> ``{"plain_s", "hand_s", "amp_s", "ratio", "ratio_to_hand",
+        "plain_runs", "hand_runs", "amp_runs"}`` (medians, the ratios as in
+        `warm` and every run's seconds), or ``{"error": ...}``
         when a process failed.
     """
     return {
@@ -136,16 +155,16 @@ def cold(
 
 
 def _cold_one(size: str, model: str, runs: int, compute_dtype: str) -> dict:
-    samples: dict[str, list[float]] = {"plain": [], "amp": []}
+    samples: dict[str, list[float]] = {name: [] for name in FUNCTIONS}
     for _ in range(runs):
-        for name, amp in (("plain", False), ("amp", True)):
-            kwargs = {"size": size, "model": model, "amp": amp, "compute_dtype": compute_dtype}
+        for name in FUNCTIONS:
+            kwargs = {"size": size, "model": model, "function": name, "compute_dtype": compute_dtype}
             out = worker.run(cold_lower_seconds, kwargs, timeout_s=_COLD_TIMEOUT_S)
             if "error" in out:
                 return {"error": f"{name}: {out['error']}"}
             samples[name].append(out["seconds"])
-    plain, amp = (statistics.median(samples[name]) for name in ("plain", "amp"))
-    return {**_summary(plain, amp), "plain_runs": samples["plain"], "amp_runs": samples["amp"]}
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    return {**_summary(medians), **{f"{name}_runs": samples[name] for name in FUNCTIONS}}
 
 
 def measure(
@@ -181,7 +200,10 @@ def measure(
 
 def format_results(results: dict[str, dict]) -> str:
     """A plain-text table of `measure`'s results: one row per model and setting."""
-    lines = [f"{'model':<14} {'trace':<5} {'plain':>8} {'amp':>8} {'amp/plain':>9}"]
+    lines = [
+        f"{'model':<14} {'trace':<5} {'plain':>8} {'hand':>8} {'amp':>8} {'amp/plain':>9} "
+        f"{'amp/hand':>8}"
+    ]
     for key, per_setting in results.items():
         for setting in ("warm", "cold"):
             r = per_setting.get(setting)
@@ -191,8 +213,8 @@ def format_results(results: dict[str, dict]) -> str:
                 lines.append(f"{key:<14} {setting:<5} !! {r['error']}")
                 continue
             lines.append(
-                f"{key:<14} {setting:<5} {r['plain_s']:>7.3f}s {r['amp_s']:>7.3f}s "
-                f"{r['ratio']:>9.2f}"
+                f"{key:<14} {setting:<5} {r['plain_s']:>7.3f}s {r['hand_s']:>7.3f}s "
+                f"{r['amp_s']:>7.3f}s {r['ratio']:>9.2f} {r['ratio_to_hand']:>8.2f}"
             )
     lines += [f"{key}: {r['title']}" for key, r in results.items()]
     return "\n".join(lines)
@@ -203,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.trace_overhead",
         description=(
-            "Time jax.jit(jax.value_and_grad(amp(f))).lower(...) against the same for f, "
+            "Time jax.jit(jax.value_and_grad(amp(f))).lower(...) against the same for f "
+            "and for f cast by hand, "
             "warm (median of repeats in this process) and cold (first lowering in a fresh "
             "process), for GPT-2 small unrolled, under lax.scan and unrolled at 24 layers."
         ),

@@ -108,17 +108,24 @@ def _cache_key(options: AmpOptions, args: tuple, kwargs: dict) -> tuple[Any, lis
     trace_context = _compat.eager_trace_context()
     if trace_context is None:
         return None
-    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-    flat_args, in_tree = jax.tree_util.tree_flatten(dynamic)
-    if any(isinstance(x, jax.core.Tracer) for x in flat_args):
-        return None
-    static_leaves, static_tree = jax.tree_util.tree_flatten(static)
+    # One flatten of everything: array leaves are inputs, keyed by their
+    # abstract value; the other leaves are static, keyed by type and value
+    # (1, 1.0 and True are equal and hash alike, but trace differently). The
+    # array leaves come in the order `AmpOptions.rewrite` flattens them.
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    flat_args = []
+    signature = []
+    for leaf in leaves:
+        if eqx.is_array(leaf):
+            if isinstance(leaf, jax.core.Tracer):
+                return None
+            flat_args.append(leaf)
+            signature.append(_compat.abstract_value(leaf))
+        else:
+            signature.append((type(leaf), leaf))
     key = (
-        in_tree,
-        tuple(_compat.abstract_value(x) for x in flat_args),
-        static_tree,
-        # The type too: 1, 1.0 and True are equal and hash alike, but trace differently.
-        tuple((type(leaf), leaf) for leaf in static_leaves),
+        tree,
+        tuple(signature),
         options.compute_dtype,
         options.output_dtype,
         options.fp8,

@@ -28,6 +28,12 @@ from jaxamp import Policy, amp, amp_stop, use_compute_precision, use_precision
 X = jnp.ones((2, 2))
 
 
+def _stable_id(value):
+    # repr() without memory addresses, so that every pytest-xdist worker
+    # collects the same test ids.
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
+
+
 def matmul(x):
     return x @ x
 
@@ -79,7 +85,7 @@ BAD_DTYPES = [
 
 
 @pytest.mark.parametrize("where", sorted(DTYPE_ARGUMENTS))
-@pytest.mark.parametrize("dtype, error, name", BAD_DTYPES, ids=[repr(d[0]) for d in BAD_DTYPES])
+@pytest.mark.parametrize("dtype, error, name", BAD_DTYPES, ids=[_stable_id(d[0]) for d in BAD_DTYPES])
 def test_bad_compute_dtype_names_argument_and_value(where, dtype, error, name):
     make, argument = DTYPE_ARGUMENTS[where]
     with pytest.raises(error) as info:
@@ -199,7 +205,7 @@ def test_rule_factory_passed_uncalled_names_itself():
 # --- amp_stop -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [3, "blk", 1.5, [matmul]], ids=repr)
+@pytest.mark.parametrize("value", [3, "blk", 1.5, [matmul]], ids=_stable_id)
 def test_amp_stop_rejects_non_callables_naming_them(value):
     with pytest.raises(TypeError, match=f"amp_stop expects a function.*got {re.escape(repr(value))}"):
         amp_stop(value)

@@ -139,10 +139,11 @@ def test_trace_overhead_warm_and_cold():
     results = trace_overhead.measure(size="tiny", repeats=1, cold_runs=1, models=["scan"])
     assert set(results) == {"scan"}
     warm, cold = results["scan"]["warm"], results["scan"]["cold"]
-    assert warm["ratio"] == pytest.approx(warm["amp_s"] / warm["plain_s"])
-    # One fresh process each for plain and amp.
-    assert len(cold["plain_runs"]) == len(cold["amp_runs"]) == 1
-    assert cold["ratio"] == pytest.approx(cold["amp_s"] / cold["plain_s"])
+    for figures in (warm, cold):
+        assert figures["ratio"] == pytest.approx(figures["amp_s"] / figures["plain_s"])
+        assert figures["ratio_to_hand"] == pytest.approx(figures["amp_s"] / figures["hand_s"])
+    # One fresh process each for plain, hand-cast and amp.
+    assert len(cold["plain_runs"]) == len(cold["hand_runs"]) == len(cold["amp_runs"]) == 1
     text = trace_overhead.format_results(results)
     assert "scan           warm" in text and "scan           cold" in text
 
@@ -170,14 +171,15 @@ def test_markdown_shows_overheads_and_targets(tmp_path):
         r["title"] = "a GPT"
         for figures in r.values():
             if isinstance(figures, dict) and "ratio" in figures:
-                figures.update(plain_s=1.0, amp_s=figures["ratio"])
+                figures.update(plain_s=1.0, hand_s=0.5, amp_s=figures["ratio"])
+                figures.update(ratio_to_hand=figures["amp_s"] / figures["hand_s"])
     results["eager"].update(title="an MLP", plain_s=0.01, amp_s=0.012, calls=5)
     results["targets"] = targets.evaluate(results)
     md = tmp_path / "RESULTS.md"
     report.update_markdown(md, results, tmp_path / "m.json", None)
     text = md.read_text()
-    assert "| `unrolled` | warm | 1,000 | 1,050 | 1.05x |" in text
-    assert "| `scan` | cold | - | - | not measured: timed out after 300s |" in text
+    assert "| `unrolled` | warm | 1,000 | 500 | 1,050 | 1.05x | 2.10x |" in text
+    assert "| `scan` | cold | - | - | - | not measured: timed out after 300s | - |" in text
     assert "an MLP: plain 10.00 ms, amp 12.00 ms per call, amp / plain 1.20" in text
     missed = "trace overhead, cold, GPT-2 small unrolled: amp / plain lowering"
     assert f"| {missed} | 1.500 | <= 1.25 | **MISSED** |" in text
