@@ -1,5 +1,6 @@
 """Eager amp calls reuse their rewritten program (jaxamp/_eager_cache.py)."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +64,37 @@ def test_changed_static_argument_is_not_a_stale_result():
     np.testing.assert_allclose(float(three), 3 * float(one), rtol=1e-2)
     # 1 and True hash alike; they are different static arguments.
     assert g(_params(), X, scale=1) is not None and g.eager_cache.misses == 3
+
+
+class _Scaled(eqx.Module):
+    weights: list
+    scale: float  # a non-array leaf: static for the cache, by value
+    activation: str = eqx.field(static=True)  # part of the tree's structure
+
+    def __call__(self, x):
+        act = getattr(jnp, self.activation)
+        for w in self.weights:
+            x = act(x @ w)
+        return self.scale * jnp.mean(x)
+
+
+def test_module_fields_and_argument_positions_are_part_of_the_key():
+    g = jaxamp.amp(lambda model, x: model(x), compute_dtype="bf16")
+    base = _Scaled(_params(), 1.0, "tanh")
+    variants = [
+        base,
+        _Scaled(_params(), 2.0, "tanh"),  # a changed non-array leaf
+        _Scaled(_params(), 1.0, "sin"),  # a changed static field
+    ]
+    outs = [g(model, X) for model in variants]
+    assert (g.eager_cache.misses, g.eager_cache.hits) == (3, 0)
+    for model, out in zip(variants, outs):
+        np.testing.assert_allclose(float(out), float(model(X)), rtol=3e-2)
+    assert float(g(_Scaled(_params(), 2.0, "tanh"), X)) == float(outs[1])
+    assert g.eager_cache.hits == 1
+    # The same values passed by keyword are another signature, as for jax.jit.
+    assert float(g(model=base, x=X)) == float(outs[0])
+    assert (g.eager_cache.misses, g.eager_cache.hits) == (4, 1)
 
 
 def test_table_changed_between_calls_is_seen():
@@ -154,15 +186,15 @@ def test_flax_nnx_calls_with_state_are_not_reused_and_others_are():
             self.w = nnx.Param(jnp.eye(16))
 
         def __call__(self, x):
-            self.count.value = self.count.value + 1
-            return jnp.sum(x @ self.w.value)
+            self.count[...] = self.count[...] + 1
+            return jnp.sum(x @ self.w[...])
 
     model = Counter()
     g = jaxamp.amp(lambda m, x: m(x), compute_dtype="bf16")
     for _ in range(3):
         g(model, X)
     # Each call wrote its state back: a cached program would have replayed the first.
-    assert float(model.count.value) == 3.0 and len(g.eager_cache) == 0
+    assert float(model.count[...]) == 3.0 and len(g.eager_cache) == 0
     # With flax.nnx imported, a call without nnx objects is still cached.
     h = jaxamp.amp(_mlp, compute_dtype="bf16")
     h(_params(), X)
