@@ -153,8 +153,8 @@ def _trace_overhead_lines(overhead: dict | None) -> list[str]:
                     f"{r['ratio_to_hand']:.2f}x",
                 ]
             )
-    header = ["model", "trace", "plain (ms)", "hand-cast (ms)", "amp (ms)", "amp / plain", "amp / hand-cast"]
-    lines += _markdown_table(header, rows)
+    header = ["model", "trace", "plain (ms)", "hand-cast (ms)", "amp (ms)"]
+    lines += _markdown_table([*header, "amp / plain", "amp / hand-cast"], rows)
     lines += [""] + [f"- `{key}`: {r['title']}" for key, r in overhead.items() if "title" in r]
     return lines
 

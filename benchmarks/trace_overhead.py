@@ -132,7 +132,7 @@ def cold_lower_seconds(size: str, model: str, function: str, compute_dtype: str 
 def cold(
     size: str = "full", runs: int = 3, compute_dtype: str = "bf16", models: Iterable[str] = ()
 ) -> dict[str, dict]:
-    """Median first-lowering times of plain, hand-cast and amp value-and-grad, each in a fresh process.
+    """Median first lowerings of plain, hand-cast and amp value-and-grad, each in a fresh process.
 
     For each model, `runs` rounds of one plain, one hand-cast and one amp
     process (`cold_lower_seconds`), taking turns.
@@ -200,10 +200,11 @@ def measure(
 
 def format_results(results: dict[str, dict]) -> str:
     """A plain-text table of `measure`'s results: one row per model and setting."""
-    lines = [
+    header = (
         f"{'model':<14} {'trace':<5} {'plain':>8} {'hand':>8} {'amp':>8} {'amp/plain':>9} "
         f"{'amp/hand':>8}"
-    ]
+    )
+    lines = [header]
     for key, per_setting in results.items():
         for setting in ("warm", "cold"):
             r = per_setting.get(setting)
