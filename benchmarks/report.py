@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from benchmarks import eager, targets
+from benchmarks import eager, targets, trace_overhead
 from benchmarks.variants import VARIANTS
 
 __all__ = ["plot", "text_table", "update_markdown"]
@@ -134,25 +134,21 @@ def _trace_overhead_lines(overhead: dict | None) -> list[str]:
     if "error" in overhead:
         return [*lines, f"- not measured: {overhead['error']}"]
     rows = []
-    for key, per_setting in overhead.items():
-        for setting in ("warm", "cold"):
-            r = per_setting.get(setting)
-            if r is None:
-                continue
-            if "error" in r:
-                rows.append([f"`{key}`", setting, "-", "-", "-", f"not measured: {r['error']}", "-"])
-                continue
-            rows.append(
-                [
-                    f"`{key}`",
-                    setting,
-                    _fmt(r["plain_s"], 1e-3, 0),
-                    _fmt(r["hand_s"], 1e-3, 0),
-                    _fmt(r["amp_s"], 1e-3, 0),
-                    f"{r['ratio']:.2f}x",
-                    f"{r['ratio_to_hand']:.2f}x",
-                ]
-            )
+    for key, setting, r in trace_overhead.each_setting(overhead):
+        if "error" in r:
+            rows.append([f"`{key}`", setting, "-", "-", "-", f"not measured: {r['error']}", "-"])
+            continue
+        rows.append(
+            [
+                f"`{key}`",
+                setting,
+                _fmt(r["plain_s"], 1e-3, 0),
+                _fmt(r["hand_s"], 1e-3, 0),
+                _fmt(r["amp_s"], 1e-3, 0),
+                f"{r['ratio']:.2f}x",
+                f"{r['ratio_to_hand']:.2f}x",
+            ]
+        )
     header = ["model", "trace", "plain (ms)", "hand-cast (ms)", "amp (ms)"]
     lines += _markdown_table([*header, "amp / plain", "amp / hand-cast"], rows)
     lines += [""] + [f"- `{key}`: {r['title']}" for key, r in overhead.items() if "title" in r]

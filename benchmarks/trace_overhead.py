@@ -34,7 +34,7 @@ import argparse
 import gc
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import jax
 
@@ -44,7 +44,7 @@ from benchmarks.measure import median_lower_seconds
 from benchmarks.variants import hand_cast
 from benchmarks.workloads import SIZES, trace_workloads
 
-__all__ = ["cold", "cold_lower_seconds", "format_results", "main", "measure", "warm"]
+__all__ = ["cold", "cold_lower_seconds", "each_setting", "format_results", "main", "measure", "warm"]
 
 _COLD_TIMEOUT_S = 300.0
 
@@ -198,6 +198,14 @@ def measure(
     return results
 
 
+def each_setting(results: dict[str, dict]) -> Iterator[tuple[str, str, dict]]:
+    """``(model key, "warm" or "cold", figures)`` for each setting `measure` ran, in table order."""
+    for key, per_setting in results.items():
+        for setting in ("warm", "cold"):
+            if setting in per_setting:
+                yield key, setting, per_setting[setting]
+
+
 def format_results(results: dict[str, dict]) -> str:
     """A plain-text table of `measure`'s results: one row per model and setting."""
     header = (
@@ -205,18 +213,14 @@ def format_results(results: dict[str, dict]) -> str:
         f"{'amp/hand':>8}"
     )
     lines = [header]
-    for key, per_setting in results.items():
-        for setting in ("warm", "cold"):
-            r = per_setting.get(setting)
-            if r is None:
-                continue
-            if "error" in r:
-                lines.append(f"{key:<14} {setting:<5} !! {r['error']}")
-                continue
-            lines.append(
-                f"{key:<14} {setting:<5} {r['plain_s']:>7.3f}s {r['hand_s']:>7.3f}s "
-                f"{r['amp_s']:>7.3f}s {r['ratio']:>9.2f} {r['ratio_to_hand']:>8.2f}"
-            )
+    for key, setting, r in each_setting(results):
+        if "error" in r:
+            lines.append(f"{key:<14} {setting:<5} !! {r['error']}")
+            continue
+        lines.append(
+            f"{key:<14} {setting:<5} {r['plain_s']:>7.3f}s {r['hand_s']:>7.3f}s "
+            f"{r['amp_s']:>7.3f}s {r['ratio']:>9.2f} {r['ratio_to_hand']:>8.2f}"
+        )
     lines += [f"{key}: {r['title']}" for key, r in results.items()]
     return "\n".join(lines)
 
