@@ -407,6 +407,35 @@ def test_inside_and_around_jit_and_vmap():
     np.testing.assert_allclose(batched, jnp.stack([f(W, x[None]) for x in X]), rtol=1e-2)
 
 
+def test_retrace_reads_python_state_afresh_unless_fn_is_jitted():
+    # Under a transformation amp is a transformation like grad: every re-trace
+    # of the caller runs fn's Python again, so state fn reads (a schedule's
+    # value in a global) is current. amp(jax.jit(fn)) opts into jit's trace
+    # cache, with jit's semantics: fn's Python runs once per signature.
+    state = {"beta": 1.0, "runs": 0}
+
+    def loss(w, x):
+        state["runs"] += 1
+        return state["beta"] * jnp.sum(jnp.tanh(x @ w))
+
+    def loss_grad(fn):
+        return jax.grad(amp(fn, compute_dtype="bf16"))(W, X)
+
+    first = loss_grad(loss)
+    state["beta"] = 2.0
+    np.testing.assert_allclose(loss_grad(loss), 2 * first, rtol=1e-2)
+    assert state["runs"] == 2
+
+    jitted = jax.jit(loss)
+    state["runs"] = 0
+    for _ in range(3):
+        loss_grad(jitted)
+    assert state["runs"] == 1
+    jaxpr = jax.make_jaxpr(jax.grad(amp(jitted, compute_dtype="bf16")))(W, X)
+    assert_all_matmuls_in(jaxpr, jnp.bfloat16, at_least=2)
+    assert state["runs"] == 1
+
+
 def test_with_equinox_filtered_transforms():
     model = eqx.nn.MLP(6, 2, 8, 2, key=KEY)
 
