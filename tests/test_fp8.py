@@ -20,6 +20,7 @@ import jaxamp
 from jaxamp import Fp8Recipe, amp
 from jaxamp._fp8 import quantize
 from jaxpr_walk import iter_eqns, matmul_operand_dtypes
+from small_models import SmallCNN, cross_entropy
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 FLOAT8 = (E4M3, E5M2)
@@ -48,32 +49,14 @@ def mlp():
 
 
 def conv_net():
-    class CNN(eqx.Module):
-        convs: list
-        norm: eqx.nn.GroupNorm
-        head: eqx.nn.Linear
-
-        def __init__(self, key):
-            k = jax.random.split(key, 3)
-            # 2 input channels x 3x3 = 18 products per output; the grouped
-            # convolution sums 8 x 9 = 72.
-            self.convs = [eqx.nn.Conv2d(2, 16, 3, padding=1, key=k[0]),
-                          eqx.nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=2, key=k[1])]
-            self.norm = eqx.nn.GroupNorm(2, 16)
-            self.head = eqx.nn.Linear(16 * 4 * 4, 10, key=k[2])
-
-        def __call__(self, x):
-            x = jax.nn.relu(self.convs[0](x))
-            x = jax.nn.relu(self.norm(self.convs[1](x)))
-            return self.head(x.reshape(-1))
-
-    model = CNN(KEYS[2])
+    # 2 input channels x 3x3 = 18 products per output; the grouped
+    # convolution sums 8 x 9 = 72.
+    model = SmallCNN(2, 16, stride=2, key=KEYS[2])
     images = jax.random.normal(KEYS[3], (4, 2, 8, 8))
     labels = jnp.arange(4)
 
     def loss(model, images):
-        logits = jax.vmap(model)(images)
-        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), labels])
+        return cross_entropy(model, images, labels)
 
     return loss, (model, images)
 

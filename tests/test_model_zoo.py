@@ -14,6 +14,7 @@ import pytest
 
 from jaxamp import amp
 from jaxpr_walk import assert_all_matmuls_in
+from small_models import SmallCNN, cross_entropy
 
 D, T, HEADS, LAYERS = 32, 8, 4, 3
 KEYS = jax.random.split(jax.random.PRNGKey(0), 8)
@@ -117,31 +118,12 @@ def cond_and_while_bodies():
 
 
 def equinox_cnn():
-    class CNN(eqx.Module):
-        convs: list
-        head: eqx.nn.Linear
-        norm: eqx.nn.GroupNorm
-
-        def __init__(self, key):
-            k = jax.random.split(key, 3)
-            self.convs = [eqx.nn.Conv2d(1, 8, 3, padding=1, key=k[0]),
-                          eqx.nn.Conv2d(8, 8, 3, padding=1, groups=2, key=k[1])]
-            self.norm = eqx.nn.GroupNorm(2, 8)
-            self.head = eqx.nn.Linear(8 * 8 * 8, 10, key=k[2])
-
-        def __call__(self, x):
-            x = jax.nn.relu(self.convs[0](x))
-            x = jax.nn.relu(self.norm(self.convs[1](x)))
-            return self.head(x.reshape(-1))
-
-    model = CNN(KEYS[6])
+    model = SmallCNN(1, 8, key=KEYS[6])
     images = jax.random.normal(KEYS[7], (4, 1, 8, 8))
     labels = jnp.arange(4)
 
     def loss(model, batch):
-        images, labels = batch
-        logits = jax.vmap(model)(images)
-        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), labels])
+        return cross_entropy(model, *batch)
 
     return loss, (model, (images, labels))
 
