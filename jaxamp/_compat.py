@@ -67,6 +67,7 @@ __all__ = [
     "jit_p",
     "lax_op_catalogue",
     "lax_primitives_by_name",
+    "manual_axes",
     "legacy_context_mesh",
     "nnx_flatten",
     "nnx_is_object",
@@ -86,10 +87,13 @@ __all__ = [
     "trace_keeping_calls",
     "trace_to_closed_jaxpr",
     "trace_to_jaxpr_with_consts_as_inputs",
+    "tracks_varying_axes",
     "unpack_bwd_result",
+    "varying_axes",
     "while_p",
     "with_dtype",
     "wrap_fun",
+    "zeros_like_aval",
 ]
 
 # jaxamp's frames are never the user's line: equations amp emits (and calls its
@@ -668,6 +672,40 @@ def legacy_context_mesh() -> Any:
     if not isinstance(mesh, Mesh) or mesh.empty:
         return None
     return mesh
+
+
+# --- devices deciding together (jaxamp/_finite.py) ---
+# Inside `shard_map` (and `jax.pmap`, which JAX 0.10+ runs as a shard_map) the
+# abstract mesh names the manual axes, and with ``check_vma=True`` every value's
+# type records the manual axes it varies over. Neither has a public accessor on
+# 0.10-0.12 (`jax.typeof(x).vma` moved to ``.mat.varying``).
+
+
+@_internal
+def manual_axes() -> tuple[Any, ...]:
+    """The mesh axes the caller runs per device over (`shard_map`, `pmap`), or ()."""
+    return tuple(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+@_internal
+def tracks_varying_axes() -> bool:
+    """Whether values' types record the manual axes they vary over (``check_vma``)."""
+    return bool(_config._check_vma.value)
+
+
+@_internal
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which `x` may differ between devices (its vma)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ())) if mat is not None else frozenset()
+
+
+@_internal
+def zeros_like_aval(aval: Any) -> jax.Array:
+    """Zeros of `aval`'s full type: shape, dtype, sharding and varying axes."""
+    from jax._src.ad_util import zeros_like_aval as _zeros_like_aval
+
+    return _zeros_like_aval(aval)
 
 
 # --- flax nnx (jaxamp/_nnx.py) ---

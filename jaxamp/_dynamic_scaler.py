@@ -22,7 +22,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._finite import all_finite, check_scale_bounds, checked_scalar, is_inexact_leaf
+from . import _compat
+from ._finite import (
+    AxisName,
+    check_axis_name,
+    check_scale_bounds,
+    checked_scalar,
+    is_inexact_leaf,
+    local_all_finite,
+    on_every_device,
+)
 from ._scale_schedule import next_scale
 
 __all__ = [
@@ -169,7 +178,7 @@ def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerSt
 
 
 def default_scale_fn(output: Any, state: DynamicScalerState) -> Any:
-    """Multiply the value to differentiate by the scale, in the value's own dtype.
+    """Multiply the value to differentiate by the scale, in float32 at least.
 
     Args:
         output: what the user's function returned: the scalar value, or a
@@ -178,14 +187,18 @@ def default_scale_fn(output: Any, state: DynamicScalerState) -> Any:
         state: the current scaler state.
 
     Returns:
-        `output` with its value scaled. A float16 value overflowing to inf here is
-        the signal that the scale is too large.
+        `output` with its value scaled. A float16 or bfloat16 value is scaled in
+        float32, so the scaled value cannot overflow: a non-finite value then
+        always means the loss itself was (bad data, an overflow in the forward
+        pass), which no scale fixes. The backward pass is the same either way:
+        the scale enters the program as the value's cotangent, in its dtype.
     """
     if isinstance(output, (tuple, list)):
         value, aux = output
         return default_scale_fn(value, state), aux
     value = jnp.asarray(output)
-    return value * state.scaler.astype(value.dtype)
+    dtype = jnp.promote_types(value.dtype, state.scaler.dtype)
+    return value.astype(dtype) * state.scaler.astype(dtype)
 
 
 def default_unscale_fn(results: Any, state: DynamicScalerState) -> Any:
@@ -211,43 +224,64 @@ def _check_redo_on_nan(redo_on_nan: Any) -> None:
         raise ValueError(f"redo_on_nan must be a non-negative int, got {redo_on_nan}.")
 
 
+class _Attempt(NamedTuple):
+    finite: jax.Array  # the step's results are finite on every device
+    fixable: jax.Array  # a smaller scale may make them so: the value was finite
+    next_state: DynamicScalerState
+    results: Any
+
+
 def _redo_until_finite(
-    evaluate: Callable[[DynamicScalerState], tuple[jax.Array, DynamicScalerState, Any]],
+    attempt: Callable[[DynamicScalerState], _Attempt],
     state: DynamicScalerState,
     redo_on_nan: int,
 ) -> tuple[DynamicScalerState, Any]:
-    """Call `evaluate` until its result is finite, at most ``redo_on_nan + 1`` times.
+    """Call `attempt` until its result is finite, at most ``redo_on_nan + 1`` times.
 
-    A non-finite attempt that could not lower the scale (it was already at
-    ``min_scaler``) ends the loop too: a retry would compute the same thing again.
+    It stops early when a retry cannot help: the value itself was not finite
+    (no scale fixes bad data or a forward overflow), or the scale was already at
+    ``min_scaler``.
 
-    `evaluate` is traced once, in the loop body, so the differentiated function is
-    compiled once rather than once before the loop and again inside it. The loop
-    carries only the array part of the results; the rest (Python numbers or
-    objects in ``aux``) cannot change between attempts and is put back at the end.
+    The user's function is traced once, to a jaxpr, and the loop's body
+    evaluates that jaxpr: the first attempt is the loop's first iteration, so
+    the step is compiled once, and a trace-time side effect in the loss (a
+    ``batch.pop``) happens once, as under `jax.value_and_grad`. The loop's
+    initial carry takes each result's full type from the jaxpr (sharding on
+    Explicit meshes, varying axes inside `shard_map`). Parts of the results
+    that are not arrays (Python numbers or objects in ``aux``) cannot change
+    between attempts and are put back at the end.
     """
-    _, _, result_shapes = eqx.filter_eval_shape(evaluate, state)
-    array_shapes, static = eqx.partition(
-        result_shapes, lambda leaf: isinstance(leaf, jax.ShapeDtypeStruct)
+    state_leaves, state_def = jax.tree_util.tree_flatten(state)
+    layout: dict[str, Any] = {}
+
+    def flat_attempt(*leaves: Any) -> list[Any]:
+        result = attempt(jax.tree_util.tree_unflatten(state_def, leaves))
+        arrays, layout["static"] = eqx.partition(result.results, eqx.is_array)
+        flat, layout["treedef"] = jax.tree_util.tree_flatten(result._replace(results=arrays))
+        return flat
+
+    traced = _compat.trace_to_closed_jaxpr(
+        flat_attempt, [_compat.abstract_value(leaf) for leaf in state_leaves]
     )
-    placeholder = jax.tree_util.tree_map(
-        lambda s: jnp.zeros(s.shape, s.dtype), array_shapes
-    )
+    run_attempt = _compat.jaxpr_as_fun(traced)
+
+    def body(carry):
+        state, _, _, attempts = carry
+        flat = run_attempt(*jax.tree_util.tree_leaves(state))
+        result = jax.tree_util.tree_unflatten(layout["treedef"], flat)
+        retry = ~result.finite & result.fixable & (result.next_state.scaler < state.scaler)
+        return result.next_state, result.results, retry, attempts + 1
 
     def keep_going(carry):
         _, _, retry, attempts = carry
         return (attempts == 0) | (retry & (attempts <= redo_on_nan))
 
-    def attempt(carry):
-        state, _, _, attempts = carry
-        finite, next_state, results = evaluate(state)
-        arrays, _ = eqx.partition(results, eqx.is_array)
-        retry = ~finite & (next_state.scaler < state.scaler)
-        return next_state, arrays, retry, attempts + 1
-
+    placeholder = jax.tree_util.tree_unflatten(
+        layout["treedef"], [_compat.zeros_like_aval(aval) for aval in traced.out_avals]
+    ).results
     init = (state, placeholder, jnp.array(False), jnp.array(0, jnp.int32))
-    state, arrays, _, _ = jax.lax.while_loop(keep_going, attempt, init)
-    return state, eqx.combine(arrays, static)
+    state, arrays, _, _ = jax.lax.while_loop(keep_going, body, init)
+    return state, eqx.combine(arrays, layout["static"])
 
 
 def dynamic_scale_tx(
@@ -256,7 +290,9 @@ def dynamic_scale_tx(
     unscale_fn: Callable[[Any, DynamicScalerState], Any] = default_unscale_fn,
     scale_fn: Callable[[Any, DynamicScalerState], Any] = default_scale_fn,
     *,
-    finite_fn: Callable[[Any], jax.Array] = all_finite,
+    finite_fn: Callable[[Any], jax.Array] | None = None,
+    value_fn: Callable[[Any], Any] | None = None,
+    axis_name: AxisName | None = None,
 ) -> Callable[..., Callable]:
     """Add dynamic loss scaling to a gradient transform such as `jax.grad`.
 
@@ -264,15 +300,24 @@ def dynamic_scale_tx(
         transform: called as ``transform(scaled_fun, *args, **kwargs)``; returns the
             function computing the (scaled) results, e.g. `jax.value_and_grad`.
         redo_on_nan: how many times a non-finite step is recomputed, each time with
-            the scale already reduced, before its results are returned as they are.
-            The recomputation runs in a `lax.while_loop`, so it works under `jit`.
-            It also stops once the scale is at ``min_scaler``, where it cannot be
-            reduced further.
+            the scale already reduced, before its results are returned as they are
+            (0, the default, skips the step and shrinks the scale once, as flax's
+            ``DynamicScale`` and torch's ``GradScaler`` do). The recomputation runs
+            in a `lax.while_loop`, so it works under `jit`. It stops once the scale
+            is at ``min_scaler``, and after the first attempt when `value_fn`'s
+            values are not finite: a smaller scale cannot fix those.
         unscale_fn: ``unscale_fn(results, state)`` undoes the scaling on the
             transform's results.
         scale_fn: ``scale_fn(output, state)`` scales the user function's output.
-        finite_fn: ``finite_fn(unscaled_results)`` decides whether the step was
-            finite; by default every inexact leaf of the results is checked.
+        finite_fn: ``finite_fn(unscaled_results)`` decides, on each device,
+            whether the step was finite; by default every inexact leaf of the
+            results is checked.
+        value_fn: ``value_fn(unscaled_results)`` picks the function's value out
+            of the results (for `jax.value_and_grad`, ``lambda r: r[0]``); if
+            not given, every non-finite step is worth a redo.
+        axis_name: the mesh or pmap axes to decide over inside `shard_map` or
+            `jax.pmap` (see `jaxamp.all_finite`): every device then takes the
+            same decision and keeps the same scaler state.
 
     Returns:
         ``scaled_transform(fun, *args, **kwargs)``, which returns a function taking
@@ -280,76 +325,109 @@ def dynamic_scale_tx(
         returning ``(next_dynamic_scaler_state, unscaled_results)``.
 
     Raises:
-        TypeError, ValueError: if `redo_on_nan` is not a non-negative int.
+        TypeError, ValueError: if `redo_on_nan` is not a non-negative int or
+            `axis_name` is not a name or tuple of names; when called, as
+            `jaxamp.all_finite` inside `pmap` or `shard_map`.
     """
     _check_redo_on_nan(redo_on_nan)
+    axis_name = check_axis_name(axis_name, "dynamic_scale_tx")
+    local_finite = finite_fn if finite_fn is not None else local_all_finite
 
     def scaled_transform(fun: Callable, *args: Any, **kwargs: Any) -> Callable:
         if not callable(fun):
             raise TypeError(f"expected a function to differentiate, got {fun!r}.")
 
         def scaled_fn(*f_args: Any, dynamic_scaler_state: Any, **f_kwargs: Any):
-            def evaluate(state: DynamicScalerState):
+            def attempt(state: DynamicScalerState) -> _Attempt:
                 def scaled_fun(*a, **k):
                     return scale_fn(fun(*a, **k), state)
 
                 results = transform(scaled_fun, *args, **kwargs)(*f_args, **f_kwargs)
                 results = unscale_fn(results, state)
-                finite = finite_fn(results)
-                return finite, _next_state(state, finite), results
+                flags = [local_finite(results)]
+                if redo_on_nan and value_fn is not None:
+                    flags.append(local_all_finite(value_fn(results)))
+                # One collective for both flags.
+                agreed = on_every_device(jnp.stack(flags), axis_name, what="dynamic loss scaling")
+                finite, fixable = agreed[0], agreed[-1] if len(flags) > 1 else jnp.array(True)
+                return _Attempt(finite, fixable, _next_state(state, finite), results)
 
             state = _checked_state(dynamic_scaler_state)
             if redo_on_nan == 0:
-                _, state, results = evaluate(state)
-                return state, results
-            return _redo_until_finite(evaluate, state, redo_on_nan)
+                result = attempt(state)
+                return result.next_state, result.results
+            return _redo_until_finite(attempt, state, redo_on_nan)
 
         return scaled_fn
 
     return scaled_transform
 
 
-# How each transform's results split into the scaled part (unscaled and checked for
-# finiteness) and `aux` (neither: it does not depend on the scale, so a NaN in it
-# must not shrink the scale or trigger recomputation).
-def _whole(results):
-    return results, lambda scaled: scaled
+# Both entry points differentiate with a value-and-grad transform (the grad-only
+# one drops the value at the end): the value says whether a redo can help.
+# `_Layout` says how its results split into the scaled part (unscaled and
+# checked for finiteness) and `aux` (neither: it does not depend on the scale,
+# so a NaN in it must not shrink the scale or trigger recomputation).
+class _Layout(NamedTuple):
+    split: Callable[[Any], tuple[Any, Callable[[Any], Any]]]
+    value: Callable[[Any], Any]
+    checked: Callable[[Any], Any]  # what decides whether the step was finite
+    returned: Callable[[Any], Any]  # what the entry point returns
 
 
-def _grads_aux(results):
-    grads, aux = results
-    return grads, lambda scaled: (scaled, aux)
+def _layout(has_aux: bool, with_value: bool) -> _Layout:
+    if has_aux:
+        def split(results):
+            (value, aux), grads = results
+            return (value, grads), lambda scaled: ((scaled[0], aux), scaled[1])
 
+        value = lambda results: results[0][0]  # noqa: E731
+        grads_and_aux = lambda results: (results[1], results[0][1])  # noqa: E731
+    else:
+        def split(results):
+            return results, lambda scaled: scaled
 
-def _value_aux_grads(results):
-    (value, aux), grads = results
-    return (value, grads), lambda scaled: ((scaled[0], aux), scaled[1])
+        value = lambda results: results[0]  # noqa: E731
+        grads_and_aux = lambda results: results[1]  # noqa: E731
+    if with_value:
+        return _Layout(split, value, lambda results: split(results)[0], lambda results: results)
+    return _Layout(split, value, lambda results: results[1], grads_and_aux)
 
 
 def _aux_aware_tx(
     fun: Any,
-    transform: Callable[..., Callable],
-    split: Callable[[Any], tuple[Any, Callable[[Any], Any]]],
+    *,
+    with_value: bool,
     has_aux: Any,
     redo_on_nan: Any,
     filter: Any,
+    axis_name: Any,
     kwargs: dict[str, Any],
 ) -> Callable:
     for name, flag in (("has_aux", has_aux), ("filter", filter)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}.")
+    layout = _layout(has_aux, with_value)
 
     def unscale_fn(results, state):
-        scaled, rebuild = split(results)
+        scaled, rebuild = layout.split(results)
         return rebuild(default_unscale_fn(scaled, state))
 
     tx = dynamic_scale_tx(
-        transform,
+        eqx.filter_value_and_grad if filter else jax.value_and_grad,
         redo_on_nan=redo_on_nan,
         unscale_fn=unscale_fn,
-        finite_fn=lambda results: all_finite(split(results)[0]),
+        finite_fn=lambda results: local_all_finite(layout.checked(results)),
+        value_fn=layout.value,
+        axis_name=axis_name,
     )
-    return tx(fun, has_aux=has_aux, **kwargs)
+    scaled_fn = tx(fun, has_aux=has_aux, **kwargs)
+
+    def entry_point(*args: Any, **kwargs: Any):
+        state, results = scaled_fn(*args, **kwargs)
+        return state, layout.returned(results)
+
+    return entry_point
 
 
 def dynamic_scale_grad(
@@ -358,6 +436,7 @@ def dynamic_scale_grad(
     has_aux: bool = False,
     redo_on_nan: int = 0,
     filter: bool = True,
+    axis_name: AxisName | None = None,
     **kwargs: Any,
 ) -> Callable:
     """Like `jax.grad(fun)`, with dynamic loss scaling.
@@ -368,10 +447,15 @@ def dynamic_scale_grad(
         has_aux: as in `jax.grad`.
         redo_on_nan: how many times a step with non-finite gradients is
             recomputed with a reduced scale before it is returned as it is (fewer
-            if the scale reaches ``min_scaler`` first).
+            if the scale reaches ``min_scaler`` first, none if `fun`'s value
+            itself is not finite: no scale fixes that). 0, the default, skips
+            the step and shrinks the scale once.
         filter: differentiate with `equinox.filter_grad` (w.r.t. the inexact arrays
             of the first argument; other leaves get ``None``) if True, with
             `jax.grad` if False.
+        axis_name: inside `shard_map` or `jax.pmap`, the axes to decide over, so
+            every device takes the same step and keeps the same scaler state
+            (see `jaxamp.all_finite`).
         **kwargs: passed on to the grad transform (e.g. ``argnums`` for `jax.grad`).
 
     Returns:
@@ -382,21 +466,25 @@ def dynamic_scale_grad(
         Only the gradients decide whether the step was finite.
 
     Raises:
-        TypeError: for non-bool ``has_aux``/``filter``, a bad ``redo_on_nan``, or
-            (when called) a ``dynamic_scaler_state`` that is not a
-            `DynamicScalerState`.
+        TypeError: for non-bool ``has_aux``/``filter``, a bad ``redo_on_nan`` or
+            ``axis_name``, or (when called) a ``dynamic_scaler_state`` that is not
+            a `DynamicScalerState`.
+        ValueError: when called inside `jax.pmap` or a ``shard_map(check_vma=False)``
+            without ``axis_name`` (see `jaxamp.all_finite`).
     """
-    transform = eqx.filter_grad if filter else jax.grad
-    split = _grads_aux if has_aux else _whole
-    return _aux_aware_tx(fun, transform, split, has_aux, redo_on_nan, filter, kwargs)
+    return _aux_aware_tx(
+        fun, with_value=False, has_aux=has_aux, redo_on_nan=redo_on_nan, filter=filter,
+        axis_name=axis_name, kwargs=kwargs,
+    )
 
 
 def dynamic_scale_value_and_grad(
     fun: Callable,
     *,
     has_aux: bool = False,
-    redo_on_nan: int = 10,
+    redo_on_nan: int = 0,
     filter: bool = True,
+    axis_name: AxisName | None = None,
     **kwargs: Any,
 ) -> Callable:
     """Like `jax.value_and_grad(fun)`, with dynamic loss scaling.
@@ -405,11 +493,15 @@ def dynamic_scale_value_and_grad(
         fun: the function to differentiate; returns a scalar, or ``(scalar, aux)``
             with ``has_aux=True``.
         has_aux: as in `jax.value_and_grad`.
-        redo_on_nan: how many times a step with a non-finite value or gradients is
+        redo_on_nan: how many times a step with non-finite gradients is
             recomputed with a reduced scale before it is returned as it is (fewer
-            if the scale reaches ``min_scaler`` first).
+            if the scale reaches ``min_scaler`` first, none if the value itself
+            is not finite). 0, the default (as in jaxamp's API document, flax's
+            ``DynamicScale`` and torch's ``GradScaler``), skips the step and
+            shrinks the scale once.
         filter: use `equinox.filter_value_and_grad` if True, `jax.value_and_grad`
             if False.
+        axis_name: as for `dynamic_scale_grad`.
         **kwargs: passed on to the transform.
 
     Returns:
@@ -420,8 +512,9 @@ def dynamic_scale_value_and_grad(
         ``aux``, decide whether the step was finite.
 
     Raises:
-        TypeError: as for `dynamic_scale_grad`.
+        TypeError, ValueError: as for `dynamic_scale_grad`.
     """
-    transform = eqx.filter_value_and_grad if filter else jax.value_and_grad
-    split = _value_aux_grads if has_aux else _whole
-    return _aux_aware_tx(fun, transform, split, has_aux, redo_on_nan, filter, kwargs)
+    return _aux_aware_tx(
+        fun, with_value=True, has_aux=has_aux, redo_on_nan=redo_on_nan, filter=filter,
+        axis_name=axis_name, kwargs=kwargs,
+    )

@@ -7,26 +7,41 @@ what counts as non-finite and on which leaves are looked at. `checked_scalar` is
 the one validation of user-given scales and counters (finite, in range, of the
 right kind) that the scaler states share, and `check_scale_bounds` the one check
 that a scale lies within its ``[min, max]`` bounds.
+
+Every decision is taken once for all devices (`on_every_device`): under `jax.jit`
+over a global mesh the arrays are global and so is the check; inside `shard_map`
+or `jax.pmap` each device sees only its own values, so the per-device flag is
+reduced over the mesh axes the values differ over, with one scalar collective.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Hashable
+from typing import Any, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _compat
+
 __all__ = [
+    "AxisName",
     "all_finite",
+    "check_axis_name",
     "check_scale_bounds",
     "checked_scalar",
     "first_finite",
     "is_inexact_leaf",
+    "local_all_finite",
+    "on_every_device",
     "select_tree",
 ]
 
 T = TypeVar("T")
+
+# A mesh or pmap axis name, or a tuple of them, as `jax.lax.psum` takes.
+AxisName = Union[Hashable, tuple[Hashable, ...]]
 
 
 def is_inexact_leaf(x: Any) -> bool:
@@ -42,15 +57,11 @@ def is_inexact_leaf(x: Any) -> bool:
     return isinstance(x, (float, complex))
 
 
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every inexact leaf of `tree` is free of inf and NaN.
+def local_all_finite(tree: Any) -> jax.Array:
+    """Whether every inexact leaf of `tree` is free of inf and NaN, on this device only.
 
-    Args:
-        tree: any pytree. Only inexact leaves (see `is_inexact_leaf`) are checked.
-
-    Returns:
-        A boolean scalar array. ``True`` for ``None``, empty trees and trees
-        without inexact leaves, since there is nothing that could have overflowed.
+    The same check as `all_finite` without the reduction across devices: inside
+    `shard_map` or `pmap` its answer may differ from one device to the next.
     """
     checks = [
         jnp.all(jnp.isfinite(leaf))
@@ -62,12 +73,135 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.stack(checks).all()
 
 
+def all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
+    """Whether every inexact leaf of `tree` is free of inf and NaN, on every device.
+
+    Args:
+        tree: any pytree. Only inexact leaves (see `is_inexact_leaf`) are checked.
+        axis_name: inside `shard_map` or `jax.pmap`, the mesh axes (a name or a
+            tuple of names, as `jax.lax.psum` takes) over which the values differ
+            between devices; the answer is reduced over them, so every device
+            gets the same one. See `on_every_device` for what happens without it.
+
+    Returns:
+        A boolean scalar array. ``True`` for ``None``, empty trees and trees
+        without inexact leaves, since there is nothing that could have overflowed.
+
+    Raises:
+        ValueError: see `on_every_device`.
+    """
+    return on_every_device(local_all_finite(tree), axis_name, what="jaxamp.all_finite")
+
+
+def check_axis_name(axis_name: Any, what: str) -> AxisName | None:
+    """Validate an ``axis_name`` argument: None, a hashable name or a tuple of them.
+
+    Raises:
+        TypeError: for a list or another unhashable value, or a tuple holding one.
+    """
+    if axis_name is None:
+        return None
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    for name in names:
+        if isinstance(name, (tuple, list)) or not isinstance(name, Hashable):
+            raise TypeError(
+                f"{what}: axis_name must be a mesh or pmap axis name or a tuple of names "
+                f"(as jax.lax.psum takes), got {axis_name!r}."
+            )
+    return axis_name
+
+
+def on_every_device(ok: Any, axis_name: AxisName | None = None, *, what: str) -> jax.Array:
+    """`ok` made one decision for all devices: true only where true on each.
+
+    * `axis_name` given: the flag is reduced over those axes with one scalar
+      collective (``axis_name=()`` keeps it per device, on purpose). Inside a
+      `shard_map` with ``check_vma=True``, axes the flag still varies over after
+      that are an error: devices along them would decide differently.
+    * no `axis_name`, outside `shard_map` and `pmap` (plain code, or `jax.jit`
+      over a mesh, where arrays are global): the flag is already everyone's.
+    * no `axis_name`, inside a `shard_map` with ``check_vma=True`` (the
+      default): JAX's types record the manual axes the flag varies over, and it
+      is reduced over exactly those (none, and no collective, when the values
+      were already reduced, e.g. by `jax.lax.pmean`).
+    * no `axis_name`, inside `jax.pmap` or a `shard_map` with
+      ``check_vma=False``: JAX does not record which values differ between
+      devices, so there is nothing to decide by. A `ValueError` asks for
+      `axis_name` rather than letting each device decide alone (which lets
+      scales and parameters drift apart, and a redo loop around a collective
+      hang).
+
+    Args:
+        ok: a boolean scalar, this device's answer (or a short boolean vector
+            of answers, all reduced with the one collective).
+        axis_name: as above.
+        what: the API name error messages start with.
+
+    Returns:
+        Booleans shaped like `ok`, the same on every device along the reduced axes.
+
+    Raises:
+        ValueError: as above, or for an axis name that is not bound here.
+        TypeError: for an `axis_name` that is not a name or a tuple of names.
+    """
+    axis_name = check_axis_name(axis_name, what)
+    ok = jnp.asarray(ok)
+    if ok.dtype != jnp.bool_ or ok.ndim > 1:
+        raise TypeError(f"{what}: expected a boolean scalar or vector, got {ok.dtype}{list(ok.shape)}.")
+    if axis_name is None:
+        manual = _compat.manual_axes()
+        if not manual:
+            return ok
+        if not _compat.tracks_varying_axes():
+            names = manual[0] if len(manual) == 1 else manual
+            raise ValueError(
+                f"{what} runs per device here (inside jax.pmap or a shard_map with "
+                f"check_vma=False, over mesh axes {manual}), where JAX does not record "
+                "which values differ between devices, so each device would decide alone "
+                "and their scales and parameters could drift apart. Pass "
+                f"axis_name={names!r} (the axes the batch or the gradients are split "
+                "over) to decide once for all devices, or axis_name=() if every device "
+                "is known to see the same values."
+            )
+        varying = _compat.varying_axes(ok)
+        if not varying:
+            return ok
+        axis_name = tuple(name for name in manual if name in varying)
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names:
+        return ok
+    try:
+        bad_devices = jax.lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"{what}: axis_name={axis_name!r} names an axis that is not bound here "
+            f"({err}); pass the names of the shard_map mesh axes or the pmap axis the "
+            "call runs under."
+        ) from None
+    agreed = bad_devices == 0
+    if _compat.manual_axes() and _compat.tracks_varying_axes():
+        rest = _compat.varying_axes(agreed)
+        if rest:
+            raise ValueError(
+                f"{what}: the values also differ between devices along mesh axes "
+                f"{tuple(sorted(map(str, rest)))}, which axis_name={axis_name!r} does not "
+                "include, so devices along them would decide differently; add them to "
+                "axis_name (or leave axis_name out to reduce over every axis the values "
+                "vary over)."
+            )
+    return agreed
+
+
 def select_tree(pred: Any, a: T, b: T) -> T:
     """Take every leaf from `a` where `pred` is true, else from `b` (jmp's select_tree).
 
     Selecting (rather than branching with `lax.cond`) returns the very bits of the
     chosen tree, so a skipped step leaves parameters and optimizer state exactly as
     they were, and it behaves the same under `vmap`.
+
+    Non-array leaves (the activation function or other fields of an Equinox
+    module) are not selected between: they must be the same in both trees, and
+    come back as they are.
 
     Args:
         pred: a boolean scalar (a 0-d bool array or a Python bool).
@@ -81,13 +215,37 @@ def select_tree(pred: Any, a: T, b: T) -> T:
         AssertionError: "expected boolean scalar ..." if `pred` is not a 0-d bool
             (the exception type jmp raises; it is raised explicitly so that
             ``python -O`` does not drop the check).
+        ValueError: if the trees differ in a non-array leaf.
     """
     shape, dtype = jnp.shape(pred), jnp.result_type(pred)
     if shape != () or dtype != jnp.bool_:
         raise AssertionError(
             f"expected boolean scalar for the select predicate, got {dtype}{list(shape)}"
         )
-    return jax.tree_util.tree_map(lambda x, y: jax.lax.select(pred, x, y), a, b)
+    return jax.tree_util.tree_map(lambda x, y: _select_leaf(pred, x, y), a, b)
+
+
+_NUMERIC = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _select_leaf(pred: jax.Array, x: Any, y: Any) -> Any:
+    if isinstance(x, _NUMERIC) and isinstance(y, _NUMERIC):
+        return jax.lax.select(pred, x, y)
+    # Equinox modules keep functions, strings and other objects as leaves: they
+    # are part of the model, not of its state, and pass through when the same.
+    if x is y or (not isinstance(x, _NUMERIC) and not isinstance(y, _NUMERIC) and _same(x, y)):
+        return x
+    raise ValueError(
+        f"select_tree: the two trees differ in a non-array leaf ({x!r} vs {y!r}); "
+        "only array leaves can be selected between."
+    )
+
+
+def _same(x: Any, y: Any) -> bool:
+    try:
+        return bool(x == y)
+    except Exception:  # noqa: BLE001 - an object whose == is not a bool is not "the same"
+        return False
 
 
 def first_finite(candidate: jax.Array, fallback: jax.Array) -> jax.Array:

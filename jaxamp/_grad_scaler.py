@@ -30,10 +30,13 @@ import jax.numpy as jnp
 import optax
 
 from ._finite import (
-    all_finite,
+    AxisName,
+    check_axis_name,
     check_scale_bounds,
     checked_scalar,
     is_inexact_leaf,
+    local_all_finite,
+    on_every_device,
     select_tree,
 )
 from ._optax import apply_if_finite_updates
@@ -123,6 +126,10 @@ class GradScaler(eqx.Module):
         max_scale: growing never takes the scale above this (finite,
             ``>= min_scale``; ``2**24`` by default, NVIDIA apex's
             ``max_loss_scale``).
+        axis_name: inside `shard_map` or `jax.pmap`, the axes (a name or a
+            tuple of names) over which the inf check of `unscale`/`step` is
+            reduced, so every device skips the same steps and keeps the same
+            scale; see `jaxamp.all_finite` for what happens without it there.
 
     torch's ``GradScaler`` has neither bound: its scale can back off to 0 in a
     long enough run of inf/NaN steps, after which ``0 * loss`` and ``0 / 0``
@@ -147,6 +154,7 @@ class GradScaler(eqx.Module):
     _stage: str = eqx.field(static=True)
     _min_scale: float = eqx.field(static=True)
     _max_scale: float = eqx.field(static=True)
+    _axis_name: AxisName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -157,6 +165,7 @@ class GradScaler(eqx.Module):
         enabled: bool = True,
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
+        axis_name: AxisName | None = None,
     ):
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {enabled!r}.")
@@ -169,6 +178,7 @@ class GradScaler(eqx.Module):
         self._enabled = enabled
         self._stage = _READY
         self._min_scale, self._max_scale = _check_bounds(min_scale, max_scale)
+        self._axis_name = check_axis_name(axis_name, "GradScaler")
         _check_scale_in_bounds("init_scale", self._scale, self._min_scale, self._max_scale)
 
     def _replace(self, **changes: Any) -> "GradScaler":
@@ -232,7 +242,10 @@ class GradScaler(eqx.Module):
             return (leaf.astype(jnp.float32) * inv_scale).astype(leaf.dtype)
 
         unscaled = jax.tree_util.tree_map(unscale_leaf, grads)
-        found_inf = jnp.logical_not(all_finite(unscaled))
+        finite = on_every_device(
+            local_all_finite(unscaled), self._axis_name, what="GradScaler.unscale"
+        )
+        found_inf = jnp.logical_not(finite)
         return unscaled, self._replace(_found_inf=found_inf, _stage=_UNSCALED)
 
     def step(

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._finite import AxisName, on_every_device
 from ._scale_schedule import next_scale
 
 __all__ = [
@@ -84,9 +85,9 @@ class NoOpLossScale:
         """Returns `tree` itself."""
         return tree
 
-    def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
+    def adjust(self, grads_finite: jax.Array, axis_name: AxisName | None = None) -> "NoOpLossScale":
         """Returns `self`; there is nothing to adapt."""
-        del grads_finite
+        del grads_finite, axis_name
         return self
 
 
@@ -110,9 +111,9 @@ class StaticLossScale:
         """Every leaf of `tree` times ``1 / loss_scale``."""
         return _scale_leaves(tree, 1 / self.loss_scale)
 
-    def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
+    def adjust(self, grads_finite: jax.Array, axis_name: AxisName | None = None) -> "StaticLossScale":
         """Returns `self`; a static scale never changes."""
-        del grads_finite
+        del grads_finite, axis_name
         return self
 
 
@@ -190,11 +191,18 @@ class DynamicLossScale:
         """Every leaf of `tree` times ``1 / loss_scale``."""
         return _scale_leaves(tree, 1 / self.loss_scale)
 
-    def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
+    def adjust(
+        self, grads_finite: jax.Array, axis_name: AxisName | None = None
+    ) -> "DynamicLossScale":
         """The next loss scale, given whether this step's gradients were finite.
 
         Args:
             grads_finite: a boolean scalar, e.g. from `jaxamp.all_finite`.
+            axis_name: inside `shard_map` or `jax.pmap`, the axes (a name or a
+                tuple of names) `grads_finite` is reduced over first, so every
+                device keeps the same scale (see `jaxamp.all_finite`). Not
+                needed when `grads_finite` came from ``all_finite(grads,
+                axis_name=...)``.
 
         Returns:
             A new `DynamicLossScale`; `self` is not modified.
@@ -204,6 +212,10 @@ class DynamicLossScale:
             TypeError: if it is a scalar but not boolean.
         """
         assert grads_finite.ndim == 0, "Expected boolean scalar"
+        if grads_finite.dtype == jnp.bool_:
+            grads_finite = on_every_device(
+                grads_finite, axis_name, what="DynamicLossScale.adjust"
+            )
         # jmp grows on the `period`-th finite step in a row: after `period - 1`
         # finite steps that did not grow. jmp has no upper bound; growth that
         # would overflow to inf is refused, as in jmp.

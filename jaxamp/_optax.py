@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._finite import all_finite, select_tree
+from ._finite import AxisName, check_axis_name, local_all_finite, on_every_device, select_tree
 
 __all__ = ["SkipNonFiniteState", "apply_if_finite_updates", "skip_nonfinite_updates"]
 
@@ -40,6 +40,7 @@ class SkipNonFiniteState(NamedTuple):
 
 def skip_nonfinite_updates(
     optimizer: optax.GradientTransformation,
+    axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap `optimizer` so that steps with inf/NaN gradients are skipped and counted.
 
@@ -50,18 +51,25 @@ def skip_nonfinite_updates(
 
     Args:
         optimizer: any optax gradient transformation.
+        axis_name: inside `shard_map` or `jax.pmap`, the axes (a name or a tuple
+            of names) the finiteness check is reduced over, so every device skips
+            the same steps (with ZeRO-style reduce-scattered gradients, an inf in
+            one device's shard must skip the step everywhere); see
+            `jaxamp.all_finite` for what happens without it there.
 
     Returns:
         A `GradientTransformationExtraArgs` whose state is a `SkipNonFiniteState`.
 
     Raises:
-        TypeError: if `optimizer` has no ``init``/``update`` functions.
+        TypeError: if `optimizer` has no ``init``/``update`` functions, or
+            `axis_name` is not a name or a tuple of names.
     """
     if not all(callable(getattr(optimizer, name, None)) for name in ("init", "update")):
         raise TypeError(
             "skip_nonfinite_updates expects an optax GradientTransformation, got "
             f"{optimizer!r}."
         )
+    axis_name = check_axis_name(axis_name, "skip_nonfinite_updates")
     inner = optax.with_extra_args_support(optimizer)
 
     def init(params: Any) -> SkipNonFiniteState:
@@ -71,7 +79,9 @@ def skip_nonfinite_updates(
         )
 
     def update(grads, state: SkipNonFiniteState, params=None, **extra_args):
-        finite = all_finite(grads)
+        finite = on_every_device(
+            local_all_finite(grads), axis_name, what="skip_nonfinite_updates"
+        )
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, updates)
         skipped = (~finite).astype(jnp.int32)
@@ -88,9 +98,15 @@ def skip_nonfinite_updates(
 def apply_if_finite_updates(params: Any, updates: Any, finite: Any) -> Any:
     """`optax.apply_updates(params, updates)` if `finite`, else `params` bit for bit.
 
+    As `optax.apply_updates` (each sum cast back to the parameter's dtype) and
+    `equinox.apply_updates`: a ``None`` update leaves its parameter alone, so
+    an Equinox module, whose non-array fields get ``None`` gradients from
+    `equinox.filter_grad`, can be passed as it is.
+
     Args:
-        params: the parameters (a pytree of arrays).
-        updates: updates with the same structure, e.g. from an optimizer wrapped in
+        params: the parameters (a pytree of arrays, or an Equinox module).
+        updates: updates with the same structure (``None`` where there is
+            nothing to update), e.g. from an optimizer wrapped in
             `skip_nonfinite_updates`.
         finite: a boolean scalar, e.g. ``opt_state.last_finite`` of a
             `SkipNonFiniteState` or `jaxamp.all_finite(grads)`.
@@ -101,4 +117,11 @@ def apply_if_finite_updates(params: Any, updates: Any, finite: Any) -> Any:
     Raises:
         AssertionError: if `finite` is not a boolean scalar (see `select_tree`).
     """
-    return select_tree(finite, optax.apply_updates(params, updates), params)
+
+    def apply(update: Any, param: Any) -> Any:
+        if update is None:
+            return param
+        return jnp.asarray(param + update).astype(jnp.asarray(param).dtype)
+
+    updated = jax.tree_util.tree_map(apply, updates, params, is_leaf=lambda x: x is None)
+    return select_tree(finite, updated, params)

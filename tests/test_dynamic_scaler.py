@@ -151,24 +151,55 @@ def test_growth_that_would_overflow_is_refused():
         assert float(grad) == pytest.approx(1e-30)
 
 
+def _finite_value_nan_grad(x):
+    # The value is 1; the unselected branch's gradient is 0 * nan = nan. A
+    # smaller scale never helps, but the value says a redo might.
+    return jnp.where(x > 0, 1.0, x * jnp.nan)
+
+
 def test_redo_gives_up_at_min_scaler():
-    fn = jax.jit(dynamic_scale_value_and_grad(lambda x: x * jnp.nan, redo_on_nan=10))
-    state, (value, _) = fn(jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState(scaler=4.0))
+    fn = jax.jit(dynamic_scale_value_and_grad(_finite_value_nan_grad, redo_on_nan=10))
+    state, (value, grad) = fn(jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState(scaler=4.0))
     # Attempts at 4, 2 and 1; a fourth at 1 would fail the same way.
     assert float(state.scaler) == 1.0 and int(state.total_resets) == 3
-    assert np.isnan(value)
-    state, (value, _) = fn(jnp.float32(1.0), dynamic_scaler_state=state)
+    assert float(value) == 1.0 and np.isnan(grad)
+    state, (value, grad) = fn(jnp.float32(1.0), dynamic_scaler_state=state)
     assert float(state.scaler) == 1.0 and int(state.total_resets) == 4
-    assert np.isnan(value)
+    assert np.isnan(grad)
 
 
 def test_redo_gives_up_after_redo_on_nan_retries():
-    fn = jax.jit(dynamic_scale_value_and_grad(lambda x: x * jnp.nan, redo_on_nan=3))
+    fn = jax.jit(dynamic_scale_value_and_grad(_finite_value_nan_grad, redo_on_nan=3))
     start = DynamicScalerState(scaler=2.0**10)
     state, (value, grad) = fn(jnp.float32(1.0), dynamic_scaler_state=start)
     # One attempt plus three retries, each halving the scale.
     assert float(state.scaler) == 2.0**6 and int(state.total_resets) == 4
-    assert np.isnan(value) and np.isnan(grad)
+    assert float(value) == 1.0 and np.isnan(grad)
+
+
+@pytest.mark.parametrize("entry_point", [dynamic_scale_value_and_grad, dynamic_scale_grad])
+def test_a_nonfinite_value_is_not_redone(entry_point):
+    # A NaN in the data: no scale fixes it, so the step is skipped with one
+    # shrink, not eleven (2**15 -> 2**14, not -> 16).
+    def loss(w, x):
+        return jnp.mean((x @ w) ** 2)
+
+    fn = jax.jit(entry_point(loss, redo_on_nan=10))
+    x = jnp.ones((4, 3)).at[0, 0].set(jnp.nan)
+    state, _ = fn(jnp.ones((3, 2)), x, dynamic_scaler_state=DynamicScalerState())
+    assert float(state.scaler) == 2.0**14 and int(state.total_resets) == 1
+
+
+def test_a_half_precision_value_is_scaled_in_float32():
+    # 60000 * 2 overflows float16; the value must not look like bad data.
+    def loss(x):
+        return (x.astype(jnp.float16) * 60000).sum()
+
+    fn = jax.jit(dynamic_scale_value_and_grad(loss, redo_on_nan=10))
+    state, (value, grad) = fn(jnp.ones(1), dynamic_scaler_state=DynamicScalerState(scaler=2.0))
+    assert float(value) == 60000.0 and value.dtype == jnp.float32
+    # The gradient 60000 * 2 in float16 overflows; one redo at scale 1 fixes it.
+    assert float(state.scaler) == 1.0 and float(grad[0]) == 60000.0
 
 
 def test_redo_stops_at_the_first_finite_attempt():
@@ -389,8 +420,35 @@ def test_state_carried_through_jit_without_retracing():
     for _ in range(3):
         state, _ = fn(jnp.float32(1.0), dynamic_scaler_state=state)
     assert float(state.scaler) == 2**5 and int(state.count) == 1
-    # One trace for filter_eval_shape and one for the loop body, then cache hits.
-    assert len(traces) == 2
+    # One trace (the redo loop's body evaluates its jaxpr), then cache hits.
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("redo_on_nan", [0, 3])
+@pytest.mark.parametrize("entry_point", [dynamic_scale_value_and_grad, dynamic_scale_grad])
+def test_the_loss_is_traced_once_per_call(entry_point, redo_on_nan):
+    # Hugging Face's compute_loss pops the labels from the batch: a second
+    # trace of the loss would raise KeyError.
+    traces = []
+
+    def loss(w, batch):
+        traces.append(None)
+        labels = batch.pop("labels")
+        return jnp.mean((batch["x"] @ w - labels) ** 2)
+
+    fn = entry_point(loss, redo_on_nan=redo_on_nan)
+    batch = {"x": jnp.ones((4, 3)), "labels": jnp.zeros((4, 2))}
+    state, _ = fn(jnp.ones((3, 2)), dict(batch), dynamic_scaler_state=DynamicScalerState())
+    assert len(traces) == 1 and int(state.count) == 1
+    state, _ = jax.jit(fn)(jnp.ones((3, 2)), dict(batch), dynamic_scaler_state=state)
+    assert len(traces) == 2 and int(state.count) == 2
+
+
+def test_redo_on_nan_defaults_to_zero_everywhere():
+    import inspect
+
+    for entry_point in (dynamic_scale_value_and_grad, dynamic_scale_grad, jaxamp.dynamic_scale_tx):
+        assert inspect.signature(entry_point).parameters["redo_on_nan"].default == 0
 
 
 def test_wrong_state_type_is_a_type_error_naming_it():
