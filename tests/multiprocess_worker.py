@@ -1,0 +1,239 @@
+"""One process of a data-parallel amp + loss-scaling run (tests/test_multiprocess.py).
+
+Run as ``python tests/multiprocess_worker.py --num-processes 2 --process-id 0
+--port P --out F ...`` (with 2 CPU devices per process), or with
+``--num-processes 1`` on 4 devices for the single-process reference. Every
+process feeds its slice of the same global batches, so the runs compute the
+same thing. A NaN in the data lands in one process's shard at step
+`NAN_STEP`, and a float16-overflowing row at `OVERFLOW_STEP`. The process
+writes what it holds at the end (parameters, optimizer and scaler state,
+per-step losses, scales and skips) to ``--out`` as an ``.npz``.
+
+Modes:
+
+* ``jit``: `jax.jit` over a global mesh (Explicit axes, `jax.make_mesh`'s
+  default); the batch is sharded, the parameters replicated.
+* ``shard_map``: the step is a `shard_map` over the devices (FSDP / ZeRO-3):
+  parameters and optimizer state live sharded, each step gathers the
+  parameters, each device differentiates its own loss with
+  ``axis_name="dp"``, the gradients are reduce-scattered, and each device
+  updates its shard with ``skip_nonfinite_updates(axis_name="dp")``.
+* ``--low-precision``: bfloat16 parameters updated with stochastic rounding
+  (`jaxamp.optim.low_precision_params`), keyed from the step number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-processes", type=int, required=True)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--mode", choices=["jit", "shard_map"], default="jit")
+    parser.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
+    parser.add_argument("--redo-on-nan", type=int, default=0)
+    parser.add_argument("--low-precision", action="store_true")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args()
+
+
+ARGS = _parse()
+DEVICES = 4
+os.environ["XLA_FLAGS"] = (
+    f"--xla_force_host_platform_device_count={DEVICES // ARGS.num_processes}"
+)
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+
+if ARGS.num_processes > 1:
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, ValueError) as err:  # a jaxlib built without gloo
+        print(f"no gloo CPU collectives in this jaxlib: {err}")
+        sys.exit(77)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{ARGS.port}",
+        num_processes=ARGS.num_processes,
+        process_id=ARGS.process_id,
+        initialization_timeout=120,
+    )
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxamp  # noqa: E402
+
+D, H, OUT, BATCH = 16, 32, 4, 32
+NAN_STEP, OVERFLOW_STEP = 2, 4
+
+
+def init_params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {
+        "w1": jax.random.normal(k1, (D, H)) / np.sqrt(D),
+        "b1": jnp.zeros(H),
+        "w2": jax.random.normal(k2, (H, OUT)) / np.sqrt(H),
+    }
+
+
+def global_batch(step):
+    """The whole step's batch, the same in every process; each feeds its rows."""
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(BATCH, D)).astype(np.float32)
+    y = rng.normal(size=(BATCH, OUT)).astype(np.float32)
+    last_process_row = BATCH - 1  # a row of the last process's shard
+    if step == NAN_STEP:
+        x[last_process_row, 3] = np.nan
+    if step == OVERFLOW_STEP:
+        x[last_process_row] = 60.0  # overflows float16 gradients at scales above 2**12
+    return x, y
+
+
+def loss_fn(params, x, y):
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def make_optimizer():
+    adam = optax.adam(1e-2)
+    if ARGS.low_precision:
+        return jaxamp.optim.low_precision_params(adam, rounding="stochastic", key=jax.random.key(7))
+    return adam
+
+
+def to_storage(params):
+    if ARGS.low_precision:
+        return jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params)
+    return params
+
+
+def _gathered(leaf):
+    """The whole of a (possibly sharded over processes) array, on this host."""
+    if leaf.sharding.is_fully_replicated:
+        return leaf.addressable_data(0)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(leaf, tiled=True)
+
+
+def main():
+    mesh = jax.make_mesh((DEVICES,), ("dp",))  # Explicit axes: JAX's default
+    assert len(mesh.devices.ravel()) == DEVICES
+    amp_loss = jaxamp.amp(loss_fn, compute_dtype=ARGS.dtype)
+    batch_sharding = NamedSharding(mesh, P("dp"))
+    replicated = NamedSharding(mesh, P())
+
+    def put_batch(step):
+        x, y = global_batch(step)
+        rows = BATCH // jax.process_count()
+        start = jax.process_index() * rows
+        return tuple(
+            jax.make_array_from_process_local_data(batch_sharding, a[start : start + rows])
+            for a in (x, y)
+        )
+
+    with jax.set_mesh(mesh):
+        params = jax.device_put(to_storage(init_params()), replicated)
+        if ARGS.mode == "jit":
+            optimizer = jaxamp.skip_nonfinite_updates(make_optimizer())
+            grad_fn = jaxamp.dynamic_scale_value_and_grad(
+                amp_loss, filter=False, redo_on_nan=ARGS.redo_on_nan
+            )
+
+            @jax.jit
+            def step(params, opt_state, scaler, x, y):
+                scaler, (loss, grads) = grad_fn(params, x, y, dynamic_scaler_state=scaler)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+                return params, opt_state, scaler, loss, opt_state.last_finite
+
+            opt_state = optimizer.init(params)
+        else:
+            optimizer = jaxamp.skip_nonfinite_updates(make_optimizer(), axis_name="dp")
+            grad_fn = jaxamp.dynamic_scale_value_and_grad(
+                amp_loss, filter=False, redo_on_nan=ARGS.redo_on_nan, axis_name="dp"
+            )
+
+            # FSDP / ZeRO-3: parameters and optimizer state live sharded along
+            # their first axis; each step gathers the parameters, and
+            # reduce-scatters the gradients back to the shards.
+            def body(shards, opt_state, scaler, x, y):
+                params = jax.tree_util.tree_map(
+                    lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), shards
+                )
+                scaler, (loss, grads) = grad_fn(params, x, y, dynamic_scaler_state=scaler)
+                grads = jax.tree_util.tree_map(
+                    lambda g: jax.lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True) / DEVICES,
+                    grads,
+                )
+                updates, opt_state = optimizer.update(grads, opt_state, shards)
+                shards = jaxamp.apply_if_finite_updates(shards, updates, opt_state.last_finite)
+                return shards, opt_state, scaler, jax.lax.pmean(loss, "dp"), opt_state.last_finite
+
+            def specs(tree):
+                # Arrays are sharded along their first axis; counters are shared.
+                return jax.tree_util.tree_map(lambda leaf: P("dp") if leaf.ndim else P(), tree)
+
+            param_spec = specs(params)
+            params = jax.device_put(params, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_spec))
+            state_spec = specs(jax.eval_shape(optimizer.init, params))
+            step = jax.jit(
+                jax.shard_map(
+                    body,
+                    mesh=mesh,
+                    in_specs=(param_spec, state_spec, P(), P("dp"), P("dp")),
+                    out_specs=(param_spec, state_spec, P(), P(), P()),
+                )
+            )
+            opt_state = jax.jit(
+                jax.shard_map(optimizer.init, mesh=mesh, in_specs=(param_spec,), out_specs=state_spec)
+            )(params)
+
+        scaler = jaxamp.DynamicScalerState(scaler=2.0**15, patience=3)
+        losses, scales, finite = [], [], []
+        for i in range(ARGS.steps):
+            params, opt_state, scaler, loss, last_finite = step(params, opt_state, scaler, *put_batch(i))
+            losses.append(float(loss))
+            scales.append(float(scaler.scaler))
+            finite.append(bool(last_finite))
+
+    def host(tree):
+        # Replicated values: this process's first copy. Sharded ones: its shards.
+        tree = jax.tree_util.tree_map(
+            lambda leaf: jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf,
+            tree,
+        )
+        return [
+            np.concatenate([np.asarray(s.data).reshape(-1).view(np.uint8) for s in leaf.addressable_shards])
+            if not leaf.sharding.is_fully_replicated
+            else np.asarray(leaf.addressable_data(0)).reshape(-1).view(np.uint8)
+            for leaf in jax.tree_util.tree_leaves(tree)
+        ]
+
+    np.savez(
+        ARGS.out,
+        params=np.concatenate(host(params)),
+        scaler=np.concatenate(host(scaler)),
+        opt_state=np.concatenate(host(opt_state)) if ARGS.mode == "jit" else np.zeros(0, np.uint8),
+        params_f32=np.concatenate(
+            [np.asarray(jax.device_get(_gathered(leaf)), np.float32).ravel() for leaf in jax.tree_util.tree_leaves(params)]
+        ),
+        losses=np.array(losses),
+        scales=np.array(scales),
+        finite=np.array(finite),
+    )
+    if ARGS.num_processes > 1:
+        jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
