@@ -2,8 +2,9 @@
 
 PyTorch's scaler mutates itself and the optimizer; here every method returns new
 values instead, and the scaler is an immutable pytree that can be passed through
-`jax.jit` (its hyperparameters are static, its scale, growth tracker and inf flag
-are arrays)::
+`jax.jit` (its scale, growth tracker, inf flag and settings are arrays, so a
+checkpoint holds them all; whether it is enabled and where it is in an iteration
+are static)::
 
     scaler = jaxamp.GradScaler()
     grads = jax.grad(lambda p: scaler.scale(loss_fn(p)))(params)
@@ -51,7 +52,7 @@ _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
 
 def _real_number(name: str, value: Any) -> float:
-    # Hyperparameters are static (part of the treedef), hence Python numbers.
+    # Settings are given as Python numbers, validated, then carried as arrays.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"{name} must be a Python float, got {value!r} of type {type(value).__name__}."
@@ -84,6 +85,11 @@ def _check_growth_interval(value: Any) -> int:
     if value <= 0:
         raise ValueError(f"growth_interval must be a positive int, got {value}.")
     return int(value)
+
+
+def _setting(value: float | int) -> jax.Array:
+    """A validated Python setting as the scalar array the scaler carries."""
+    return jnp.asarray(value, jnp.int32 if isinstance(value, int) else jnp.float32)
 
 
 def _check_scale(name: str, value: Any) -> jax.Array:
@@ -147,13 +153,17 @@ class GradScaler(eqx.Module):
     _scale: jax.Array
     _growth_tracker: jax.Array
     _found_inf: jax.Array
-    _growth_factor: float = eqx.field(static=True)
-    _backoff_factor: float = eqx.field(static=True)
-    _growth_interval: int = eqx.field(static=True)
+    # The settings are array leaves, not static fields, so that they travel
+    # with the scaler through a checkpoint (as torch's `state_dict` carries
+    # them): a scaler restored into a target built with other settings takes
+    # the saved ones.
+    _growth_factor: jax.Array
+    _backoff_factor: jax.Array
+    _growth_interval: jax.Array
     _enabled: bool = eqx.field(static=True)
     _stage: str = eqx.field(static=True)
-    _min_scale: float = eqx.field(static=True)
-    _max_scale: float = eqx.field(static=True)
+    _min_scale: jax.Array
+    _max_scale: jax.Array
     _axis_name: AxisName | None = eqx.field(static=True)
 
     def __init__(
@@ -172,12 +182,12 @@ class GradScaler(eqx.Module):
         self._scale = _check_scale("init_scale", init_scale)
         self._growth_tracker = jnp.zeros([], jnp.int32)
         self._found_inf = jnp.array(False)
-        self._growth_factor = _check_growth_factor(growth_factor)
-        self._backoff_factor = _check_backoff_factor(backoff_factor)
-        self._growth_interval = _check_growth_interval(growth_interval)
+        self._growth_factor = _setting(_check_growth_factor(growth_factor))
+        self._backoff_factor = _setting(_check_backoff_factor(backoff_factor))
+        self._growth_interval = _setting(_check_growth_interval(growth_interval))
         self._enabled = enabled
         self._stage = _READY
-        self._min_scale, self._max_scale = _check_bounds(min_scale, max_scale)
+        self._min_scale, self._max_scale = map(_setting, _check_bounds(min_scale, max_scale))
         self._axis_name = check_axis_name(axis_name, "GradScaler")
         _check_scale_in_bounds("init_scale", self._scale, self._min_scale, self._max_scale)
 
@@ -358,28 +368,28 @@ class GradScaler(eqx.Module):
         return self._enabled
 
     def get_growth_factor(self) -> float:
-        """The growth factor, a Python float."""
-        return self._growth_factor
+        """The growth factor, a Python float; not under `jit`."""
+        return float(self._growth_factor)
 
     def get_backoff_factor(self) -> float:
-        """The backoff factor, a Python float."""
-        return self._backoff_factor
+        """The backoff factor, a Python float; not under `jit`."""
+        return float(self._backoff_factor)
 
     def get_growth_interval(self) -> int:
-        """The growth interval, a Python int."""
-        return self._growth_interval
+        """The growth interval, a Python int; not under `jit`."""
+        return int(self._growth_interval)
 
     def set_growth_factor(self, new_factor: float) -> "GradScaler":
         """A copy with another growth factor (> 1)."""
-        return self._replace(_growth_factor=_check_growth_factor(new_factor))
+        return self._replace(_growth_factor=_setting(_check_growth_factor(new_factor)))
 
     def set_backoff_factor(self, new_factor: float) -> "GradScaler":
         """A copy with another backoff factor (in (0, 1))."""
-        return self._replace(_backoff_factor=_check_backoff_factor(new_factor))
+        return self._replace(_backoff_factor=_setting(_check_backoff_factor(new_factor)))
 
     def set_growth_interval(self, new_interval: int) -> "GradScaler":
         """A copy with another growth interval (a positive int)."""
-        return self._replace(_growth_interval=_check_growth_interval(new_interval))
+        return self._replace(_growth_interval=_setting(_check_growth_interval(new_interval)))
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state as Python numbers, for checkpoints (host side only).
@@ -393,12 +403,12 @@ class GradScaler(eqx.Module):
             return {}
         return {
             "scale": float(self._scale),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
+            "growth_factor": self.get_growth_factor(),
+            "backoff_factor": self.get_backoff_factor(),
+            "growth_interval": self.get_growth_interval(),
             "_growth_tracker": int(self._growth_tracker),
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
+            "min_scale": float(self._min_scale),
+            "max_scale": float(self._max_scale),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> "GradScaler":
@@ -428,8 +438,8 @@ class GradScaler(eqx.Module):
             "GradScaler _growth_tracker", state_dict["_growth_tracker"], jnp.int32, lower=0
         )
         min_scale, max_scale = _check_bounds(
-            state_dict.get("min_scale", self._min_scale),
-            state_dict.get("max_scale", self._max_scale),
+            state_dict.get("min_scale", float(self._min_scale)),
+            state_dict.get("max_scale", float(self._max_scale)),
         )
         scale = _check_scale("scale", state_dict["scale"])
         _check_scale_in_bounds("scale", scale, min_scale, max_scale)
@@ -437,10 +447,10 @@ class GradScaler(eqx.Module):
             _scale=scale,
             _growth_tracker=tracker,
             _found_inf=jnp.array(False),
-            _growth_factor=_check_growth_factor(state_dict["growth_factor"]),
-            _backoff_factor=_check_backoff_factor(state_dict["backoff_factor"]),
-            _growth_interval=_check_growth_interval(state_dict["growth_interval"]),
+            _growth_factor=_setting(_check_growth_factor(state_dict["growth_factor"])),
+            _backoff_factor=_setting(_check_backoff_factor(state_dict["backoff_factor"])),
+            _growth_interval=_setting(_check_growth_interval(state_dict["growth_interval"])),
             _stage=_READY,
-            _min_scale=min_scale,
-            _max_scale=max_scale,
+            _min_scale=_setting(min_scale),
+            _max_scale=_setting(max_scale),
         )
