@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
+from ._accumulation import with_float32_accumulation
 from ._casting import cast_value
 from ._dtypes import canonical_compute_dtype
 from ._eager_cache import EagerCache
@@ -37,6 +38,7 @@ def amp(
     compute_dtype: Any = _UNSET,
     amp_policy: Mapping[Any, Callable] | None = None,
     policy: Any = None,
+    float32_gradient_reductions: bool = False,
 ) -> Callable:
     """Make `fn` run in mixed precision.
 
@@ -72,6 +74,11 @@ def amp(
         policy: a `jaxamp.Policy` or policy string (``"p=f32,c=bf16,o=f32"``):
             compute in its compute dtype and cast floating outputs to its
             output dtype. Cannot be combined with `compute_dtype`.
+        float32_gradient_reductions: matmuls and convolutions that run in the
+            compute dtype accumulate in float32 and hand their result on in the
+            compute dtype, so that in a data-parallel step the cross-device sum
+            of their weight gradients runs in float32, not in float16/bfloat16
+            (it doubles those all-reduces' bytes; see docs/distributed.md).
 
     Returns:
         The mixed-precision function (or a decorator when `fn` is omitted).
@@ -82,9 +89,15 @@ def amp(
         ValueError: an unknown dtype name or policy string, or a `policy`
             whose compute dtype disagrees with `compute_dtype`.
     """
-    options = AmpOptions.resolve(compute_dtype=compute_dtype, amp_policy=amp_policy, policy=policy)
+    settings = dict(
+        compute_dtype=compute_dtype,
+        amp_policy=amp_policy,
+        policy=policy,
+        float32_gradient_reductions=float32_gradient_reductions,
+    )
+    options = AmpOptions.resolve(**settings)
     if fn is None:
-        return functools.partial(amp, compute_dtype=compute_dtype, amp_policy=amp_policy, policy=policy)
+        return functools.partial(amp, **settings)
     if not callable(fn):
         raise TypeError(
             f"amp expects a callable (a function, or an Equinox module with a "
@@ -109,15 +122,26 @@ class AmpOptions:
     table: Mapping[Any, Callable]
     output_dtype: np.dtype | None = None
     fp8: Fp8Recipe | None = None  # fp8 mode's recipe: its matmul rules join the table per call
+    float32_accumulation: bool = False  # matmuls accumulate in float32 (`jaxamp._accumulation`)
 
     @classmethod
     def resolve(
-        cls, *, compute_dtype: Any = _UNSET, amp_policy: Any = None, policy: Any = None
+        cls,
+        *,
+        compute_dtype: Any = _UNSET,
+        amp_policy: Any = None,
+        policy: Any = None,
+        float32_gradient_reductions: Any = False,
     ) -> AmpOptions:
         """Validate `amp`'s keyword arguments (see `amp`)."""
         compute, output_dtype, fp8 = _resolve_dtypes(compute_dtype, policy)
         table = _check_policy_table(default_amp_policy if amp_policy is None else amp_policy)
-        return cls(compute, table, output_dtype, fp8)
+        if not isinstance(float32_gradient_reductions, bool):
+            raise TypeError(
+                "float32_gradient_reductions must be a bool, got "
+                f"{float32_gradient_reductions!r}."
+            )
+        return cls(compute, table, output_dtype, fp8, float32_gradient_reductions)
 
     def policy_table(self) -> PolicyTable:
         """A snapshot of the table for one call (with fp8 mode's matmul rules).
@@ -125,7 +149,8 @@ class AmpOptions:
         Taken per call, not once in `resolve`: a table the user changes between
         calls is seen afresh.
         """
-        return freeze(self.table) if self.fp8 is None else with_fp8_matmuls(self.table, self.fp8)
+        table = freeze(self.table) if self.fp8 is None else with_fp8_matmuls(self.table, self.fp8)
+        return with_float32_accumulation(table) if self.float32_accumulation else table
 
     def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""

@@ -57,6 +57,7 @@ __all__ = [
     "custom_jvp_subfuns",
     "custom_vjp_call_p",
     "custom_vjp_subfuns",
+    "dot_general_cotangents",
     "eager_trace_context",
     "eqn_scopes",
     "eqn_source",
@@ -672,6 +673,34 @@ def legacy_context_mesh() -> Any:
     if not isinstance(mesh, Mesh) or mesh.empty:
         return None
     return mesh
+
+
+# --- float32 accumulation (jaxamp/_accumulation.py) ---
+# JAX's own transposes of dot_general, called with the operands amp holds (in
+# the compute dtype) and a float32 accumulation: the same dimension numbers and
+# output shardings as JAX's autodiff, with both operands in half precision.
+
+
+@_internal
+def dot_general_cotangents(g: Any, lhs: Any, rhs: Any, params: dict) -> tuple[Any, Any]:
+    """``(d_lhs, d_rhs)`` of ``dot_general(lhs, rhs, **params)`` for cotangent `g`.
+
+    Each is JAX's transpose of the matmul (`lax._dot_general_transpose_lhs` /
+    ``_rhs``) bound with `params` (its ``preferred_element_type`` is the
+    gradient matmuls' accumulation dtype), cast to its operand's dtype.
+    """
+    from jax._src.interpreters import ad as _ad
+    from jax._src.lax import lax as _lax
+
+    keys = ("dimension_numbers", "precision", "preferred_element_type", "out_sharding")
+    kwargs = {key: params.get(key) for key in keys}
+    d_lhs = _lax._dot_general_transpose_lhs(
+        g, _ad.UndefinedPrimal(jax.typeof(lhs)), rhs, **kwargs
+    )
+    d_rhs = _lax._dot_general_transpose_rhs(
+        g, lhs, _ad.UndefinedPrimal(jax.typeof(rhs)), **kwargs
+    )
+    return d_lhs, d_rhs
 
 
 # --- devices deciding together (jaxamp/_finite.py) ---

@@ -38,6 +38,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
     parser.add_argument("--redo-on-nan", type=int, default=0)
     parser.add_argument("--low-precision", action="store_true")
+    parser.add_argument("--float32-reductions", action="store_true")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", required=True)
     return parser.parse_args()
@@ -127,7 +128,9 @@ def _gathered(leaf):
 def main():
     mesh = jax.make_mesh((DEVICES,), ("dp",))  # Explicit axes: JAX's default
     assert len(mesh.devices.ravel()) == DEVICES
-    amp_loss = jaxamp.amp(loss_fn, compute_dtype=ARGS.dtype)
+    amp_loss = jaxamp.amp(
+        loss_fn, compute_dtype=ARGS.dtype, float32_gradient_reductions=ARGS.float32_reductions
+    )
     batch_sharding = NamedSharding(mesh, P("dp"))
     replicated = NamedSharding(mesh, P())
 

@@ -224,3 +224,18 @@ def test_tiny_run_writes_every_target(tmp_path):
     fp8_column = [c.strip() for c in header.split("|")].index("float8 FLOPs")
     fp8_row = next(line for line in md.splitlines() if line.startswith("| amp fp8 |"))
     assert fp8_row.split("|")[fp8_column].strip() == f"{100 * amp_fp8['fp8_flop_share']:.1f}%"
+
+
+def test_collectives_the_loss_scaler_adds_one_scalar_all_reduce_at_most():
+    from benchmarks import collectives
+
+    rows = {(r["mode"], r["loss scaler"], r["float32_gradient_reductions"]): r for r in collectives.measure()}
+    # Under jit over a global mesh the arrays are global: no collective for the decision.
+    assert rows["jit", True, False]["all-reduces"] == rows["jit", False, False]["all-reduces"]
+    # Under shard_map: one, of the finite flag (4 bytes).
+    extra = rows["shard_map", True, False]
+    assert extra["all-reduces"] == rows["shard_map", False, False]["all-reduces"] + 1
+    assert extra["bytes"] - rows["shard_map", False, False]["bytes"] == 4
+    # float32 gradient reductions: the float16 gradient all-reduce becomes float32.
+    assert "f16" in rows["jit", True, False]["operands"]
+    assert "f16" not in rows["jit", True, True]["operands"]

@@ -1,0 +1,124 @@
+"""What loss scaling and float32 gradient reductions add to a data-parallel step's collectives.
+
+    python -m benchmarks.collectives          # from the repository root
+
+On a 4-device mesh (CPU host devices: the figures count ops and bytes in the
+compiled HLO, so any backend gives them), a two-layer MLP's data-parallel
+float16 train step is compiled
+
+* under `jax.jit` over a global mesh, and under `jax.shard_map` (per-device
+  losses, gradients pmean'd), each with and without
+  `jaxamp.dynamic_scale_value_and_grad`: the scaler's decision must cost at
+  most one scalar all-reduce (none under jit, where the arrays are global);
+* with and without ``amp(..., float32_gradient_reductions=True)``: the
+  all-reduces' operand dtypes and bytes.
+
+Each row lists the all-reduces of the compiled program with their operands'
+types, their count and their bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+if __name__ == "__main__":  # before JAX starts: four host devices
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxamp
+
+__all__ = ["all_reduces", "measure", "main"]
+
+D, H, OUT, BATCH, DEVICES = 256, 1024, 256, 64, 4
+_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
+
+
+def all_reduces(hlo: str) -> list[tuple[str, int]]:
+    """``(operand types, bytes)`` of every all-reduce in a compiled HLO text."""
+    found = []
+    for line in hlo.splitlines():
+        if not re.search(r"\ball-reduce(-start)?\(", line):
+            continue
+        result = line.split("=", 1)[1].split("all-reduce", 1)[0]
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", result)
+        size = sum(_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1])) for t, dims in shapes)
+        found.append((" ".join(f"{t}[{dims}]" for t, dims in shapes), size))
+    return found
+
+
+def _loss(params, x):
+    h = jax.nn.relu(x @ params["w1"])
+    return jnp.mean((h @ params["w2"]) ** 2)
+
+
+def _params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"w1": jax.random.normal(k1, (D, H)) / np.sqrt(D), "w2": jax.random.normal(k2, (H, OUT)) / np.sqrt(H)}
+
+
+def _step(mode: str, scaled: bool, float32_reductions: bool, mesh):
+    loss = jaxamp.amp(_loss, compute_dtype="f16", float32_gradient_reductions=float32_reductions)
+    if scaled:
+        grad_fn = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
+
+        def grads_of(params, x, state):
+            state, (value, grads) = grad_fn(params, x, dynamic_scaler_state=state)
+            return value, grads, state
+    else:
+
+        def grads_of(params, x, state):
+            return *jax.value_and_grad(loss)(params, x), state
+
+    if mode == "jit":
+        return jax.jit(grads_of)
+
+    def body(params, x, state):
+        value, grads, state = grads_of(params, x, state)
+        return jax.lax.pmean((value, grads), "dp"), state
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp"), P()), out_specs=((P(), P()), P())))
+
+
+def measure() -> list[dict]:
+    """One row per (mode, scaler, reductions): the compiled step's all-reduces."""
+    rows = []
+    for mode, axis_type in (("jit", AxisType.Explicit), ("shard_map", AxisType.Auto)):
+        mesh = jax.make_mesh((DEVICES,), ("dp",), axis_types=(axis_type,), devices=jax.devices()[:DEVICES])
+        with jax.set_mesh(mesh):
+            params = jax.device_put(_params(), NamedSharding(mesh, P()))
+            x = jax.device_put(jnp.ones((BATCH, D)), NamedSharding(mesh, P("dp")))
+            state = jaxamp.DynamicScalerState()
+            for scaled, f32 in ((False, False), (True, False), (True, True)):
+                hlo = _step(mode, scaled, f32, mesh).lower(params, x, state).compile().as_text()
+                found = all_reduces(hlo)
+                rows.append({
+                    "mode": mode,
+                    "loss scaler": scaled,
+                    "float32_gradient_reductions": f32,
+                    "all-reduces": len(found),
+                    "bytes": sum(size for _, size in found),
+                    "operands": "; ".join(types for types, _ in found),
+                })  # fmt: skip
+    return rows
+
+
+def main() -> list[dict]:
+    rows = measure()
+    print(f"JAX {jax.__version__}, {DEVICES} devices, f16 MLP {D}x{H}x{OUT}, batch {BATCH}")
+    print("| mode | loss scaler | float32 reductions | all-reduces | bytes | operands |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['mode']} | {r['loss scaler']} | {r['float32_gradient_reductions']} | "
+            f"{r['all-reduces']} | {r['bytes']:,} | {r['operands']} |"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
