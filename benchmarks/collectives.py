@@ -7,7 +7,8 @@ compiled HLO, so any backend gives them), a two-layer MLP's data-parallel
 float16 train step is compiled
 
 * under `jax.jit` over a global mesh, and under `jax.shard_map` (per-device
-  losses, gradients pmean'd), each with and without
+  losses; the replicated parameters' gradients summed by JAX's own transpose),
+  each with and without
   `jaxamp.dynamic_scale_value_and_grad`: the scaler's decision must cost at
   most one scalar all-reduce (none under jit, where the arrays are global);
 * with and without ``amp(..., float32_gradient_reductions=True)``: the
@@ -78,10 +79,12 @@ def _step(mode: str, scaled: bool, float32_reductions: bool, mesh):
         return jax.jit(grads_of)
 
     def body(params, x, state):
+        # The parameters enter replicated, so (check_vma) JAX's transpose
+        # already sums their gradients over "dp"; the loss is per device.
         value, grads, state = grads_of(params, x, state)
-        return jax.lax.pmean((value, grads), "dp"), state
+        return jax.lax.pmean(value, "dp"), grads, state
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp"), P()), out_specs=((P(), P()), P())))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp"), P()), out_specs=(P(), P(), P())))
 
 
 def measure() -> list[dict]:

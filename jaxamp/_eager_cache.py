@@ -157,8 +157,15 @@ class _EagerProgram:
         self._outvars = jaxpr.outvars
         called: dict[int, Callable] = {}
         self._steps = []
+        # Under a mesh (`jax.set_mesh`), a call's body holds values typed with
+        # the shardings JAX gave them where it was traced (a random key
+        # resharded onto an Auto view of an Explicit mesh, for one); a fresh
+        # `jax.jit` of the body would retrace it in another mesh context and
+        # reject them. Its own equation, bound with its recorded context, is
+        # what `jax.jit(amp(f))` runs too.
+        fast_calls = jax.sharding.get_abstract_mesh().empty
         for eqn in jaxpr.eqns:
-            body = eqn.params.get("jaxpr") if eqn.primitive is _compat.jit_p else None
+            body = eqn.params.get("jaxpr") if eqn.primitive is _compat.jit_p and fast_calls else None
             if body is not None:
                 fn = called.get(id(body))
                 if fn is None:
