@@ -15,6 +15,7 @@ the rule shared with the other scalers (`jaxamp._scale_schedule.next_scale`):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _compat
+from . import _compat, _nnx
 from ._finite import (
     AxisName,
     check_axis_name,
@@ -232,9 +233,10 @@ class _Attempt(NamedTuple):
 
 
 def _redo_until_finite(
-    attempt: Callable[[DynamicScalerState], _Attempt],
+    attempt: Callable[[DynamicScalerState, Any], _Attempt],
     state: DynamicScalerState,
     redo_on_nan: int,
+    operand: Any = None,
 ) -> tuple[DynamicScalerState, Any]:
     """Call `attempt` until its result is finite, at most ``redo_on_nan + 1`` times.
 
@@ -249,13 +251,15 @@ def _redo_until_finite(
     initial carry takes each result's full type from the jaxpr (sharding on
     Explicit meshes, varying axes inside `shard_map`). Parts of the results
     that are not arrays (Python numbers or objects in ``aux``) cannot change
-    between attempts and are put back at the end.
+    between attempts and are put back at the end. `operand` (a pytree of arrays:
+    the state of flax nnx modules) is an input of the traced attempt rather
+    than a value it closes over, as flax requires of the modules it merges.
     """
-    state_leaves, state_def = jax.tree_util.tree_flatten(state)
+    state_leaves, state_def = jax.tree_util.tree_flatten((state, operand))
     layout: dict[str, Any] = {}
 
     def flat_attempt(*leaves: Any) -> list[Any]:
-        result = attempt(jax.tree_util.tree_unflatten(state_def, leaves))
+        result = attempt(*jax.tree_util.tree_unflatten(state_def, leaves))
         arrays, layout["static"] = eqx.partition(result.results, eqx.is_array)
         flat, layout["treedef"] = jax.tree_util.tree_flatten(result._replace(results=arrays))
         return flat
@@ -267,7 +271,7 @@ def _redo_until_finite(
 
     def body(carry):
         state, _, _, attempts = carry
-        flat = run_attempt(*jax.tree_util.tree_leaves(state))
+        flat = run_attempt(*jax.tree_util.tree_leaves((state, operand)))
         result = jax.tree_util.tree_unflatten(layout["treedef"], flat)
         retry = ~result.finite & result.fixable & (result.next_state.scaler < state.scaler)
         return result.next_state, result.results, retry, attempts + 1
@@ -337,26 +341,53 @@ def dynamic_scale_tx(
         if not callable(fun):
             raise TypeError(f"expected a function to differentiate, got {fun!r}.")
 
-        def scaled_fn(*f_args: Any, dynamic_scaler_state: Any, **f_kwargs: Any):
-            def attempt(state: DynamicScalerState) -> _Attempt:
-                def scaled_fun(*a, **k):
-                    return scale_fn(fun(*a, **k), state)
+        def evaluate(*f_args: Any, _scaler_state: DynamicScalerState, **f_kwargs: Any):
+            # One attempt's unscaled results, and this device's finite flags.
+            def scaled_fun(*a, **k):
+                return scale_fn(fun(*a, **k), _scaler_state)
 
-                results = transform(scaled_fun, *args, **kwargs)(*f_args, **f_kwargs)
-                results = unscale_fn(results, state)
-                flags = [local_finite(results)]
-                if redo_on_nan and value_fn is not None:
-                    flags.append(local_all_finite(value_fn(results)))
+            results = transform(scaled_fun, *args, **kwargs)(*f_args, **f_kwargs)
+            results = unscale_fn(results, _scaler_state)
+            flags = [local_finite(results)]
+            if redo_on_nan and value_fn is not None:
+                flags.append(local_all_finite(value_fn(results)))
+            return results, jnp.stack(flags)
+
+        def scaled_fn(*f_args: Any, dynamic_scaler_state: Any, **f_kwargs: Any):
+            # flax nnx modules among the arguments: the transform runs on
+            # copies merged from their state (inside the redo loop's trace,
+            # too), and what the loss changed in them (batch statistics, RNG
+            # counts) is written back into the caller's objects at the end,
+            # as `nnx.value_and_grad` does; a skipped step writes back the
+            # values from before it.
+            graph = None
+            if _nnx.has_nnx_objects((f_args, f_kwargs)):
+                graph = _nnx.GraphCall(evaluate, f_args, {**f_kwargs, "_scaler_state": None})
+
+            def attempt(state: DynamicScalerState, module_state: Any = None) -> _Attempt:
+                if graph is None:
+                    results, flags = evaluate(*f_args, _scaler_state=state, **f_kwargs)
+                else:
+                    before = graph.values(module_state)
+                    call_kwargs = {**graph.kwargs, "_scaler_state": state}
+                    (results, flags), changes = graph.fn(module_state, *graph.args[1:], **call_kwargs)
                 # One collective for both flags.
-                agreed = on_every_device(jnp.stack(flags), axis_name, what="dynamic loss scaling")
-                finite, fixable = agreed[0], agreed[-1] if len(flags) > 1 else jnp.array(True)
+                agreed = on_every_device(flags, axis_name, what="dynamic loss scaling")
+                finite = agreed[0]
+                fixable = agreed[-1] if len(agreed) > 1 else jnp.array(True)
+                if graph is not None:
+                    updates, created = changes
+                    results = (results, (graph.changes_if(finite, updates, before), created))
                 return _Attempt(finite, fixable, _next_state(state, finite), results)
 
             state = _checked_state(dynamic_scaler_state)
+            module_state = None if graph is None else graph.args[0]
             if redo_on_nan == 0:
-                result = attempt(state)
-                return result.next_state, result.results
-            return _redo_until_finite(attempt, state, redo_on_nan)
+                result = attempt(state, module_state)
+                state, results = result.next_state, result.results
+            else:
+                state, results = _redo_until_finite(attempt, state, redo_on_nan, module_state)
+            return state, results if graph is None else graph.finish(results)
 
         return scaled_fn
 
@@ -394,6 +425,33 @@ def _layout(has_aux: bool, with_value: bool) -> _Layout:
     return _Layout(split, value, lambda results: results[1], grads_and_aux)
 
 
+def _value_and_grad(fun: Callable, *, filter: bool, **kwargs: Any) -> Callable:
+    """The value-and-grad transform for the arguments a call brings.
+
+    flax nnx modules are differentiated as `nnx.value_and_grad` does (with
+    respect to their `nnx.Param`s, their other state carried through);
+    everything else by `equinox.filter_value_and_grad` (``filter=True``) or
+    `jax.value_and_grad`.
+    """
+
+    def value_and_grad(*args: Any, **call_kwargs: Any) -> Any:
+        if _nnx.has_nnx_objects((args, call_kwargs)):
+            if not filter:
+                raise TypeError(
+                    "jaxamp's dynamic loss scaling got flax nnx objects with filter=False: "
+                    "jax.value_and_grad cannot differentiate them (their RNG keys and "
+                    "counters are not differentiable). Use filter=True (the default), "
+                    "which differentiates their nnx.Param state as nnx.value_and_grad does."
+                )
+            from flax import nnx
+
+            return nnx.value_and_grad(fun, **kwargs)(*args, **call_kwargs)
+        transform = eqx.filter_value_and_grad if filter else jax.value_and_grad
+        return transform(fun, **kwargs)(*args, **call_kwargs)
+
+    return value_and_grad
+
+
 def _aux_aware_tx(
     fun: Any,
     *,
@@ -414,7 +472,7 @@ def _aux_aware_tx(
         return rebuild(default_unscale_fn(scaled, state))
 
     tx = dynamic_scale_tx(
-        eqx.filter_value_and_grad if filter else jax.value_and_grad,
+        functools.partial(_value_and_grad, filter=filter),
         redo_on_nan=redo_on_nan,
         unscale_fn=unscale_fn,
         finite_fn=lambda results: local_all_finite(layout.checked(results)),

@@ -26,7 +26,15 @@ import jax
 
 from . import _compat
 
-__all__ = ["GraphCall", "lift"]
+__all__ = ["GraphCall", "has_nnx_objects", "lift"]
+
+
+def has_nnx_objects(tree: Any) -> bool:
+    """Whether an nnx object (Module, Rngs, Variable...) is among `tree`'s leaves."""
+    if "flax.nnx" not in sys.modules:
+        return False
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_compat.nnx_is_object)
+    return any(_compat.nnx_is_object(leaf) for leaf in leaves)
 
 
 def lift(fn: Callable, args: tuple, kwargs: dict) -> GraphCall | None:
@@ -158,6 +166,27 @@ class GraphCall:
         self._changed_paths = [path for path, _ in changed]
         out, created = self._export(out, copies)
         return out, ([leaf for _, leaf in changed], created)
+
+    def values(self, state: Any) -> dict:
+        """The raw value of every leaf of `state` (the objects' state), by graph path.
+
+        A snapshot to take before `fn` runs: merging shares Variables with
+        `state`, so `fn`'s mutations show in it afterwards.
+        """
+        merged = self._nnx.merge(self._graphdef, state)
+        return {path: _compat.nnx_raw_value(leaf) for path, leaf in _compat.nnx_flatten(merged)[1]}
+
+    def changes_if(self, keep: Any, updates: list, before: dict) -> list:
+        """`fn`'s `updates` where `keep` is true, else the values `before` them.
+
+        A loss scaler that skips a step commits no module state this way.
+        Called after `fn` was traced (which records the changed paths).
+        """
+        kept = []
+        for path, update in zip(self._changed_paths, updates):
+            (new,), treedef = jax.tree_util.tree_flatten(update)
+            kept.append(jax.tree_util.tree_unflatten(treedef, [jax.lax.select(keep, new, before[path])]))
+        return kept
 
     @property
     def holds_no_state(self) -> bool:
