@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "array_part",
     "CASTABLE_DTYPES",
     "canonical_compute_dtype",
     "cast_floating",
@@ -159,3 +161,20 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
         return x
 
     return jax.tree_util.tree_map(cast, tree)
+
+
+def array_part(tree: Any) -> Any:
+    """`tree` with the non-array leaves of every Equinox module in it replaced by ``None``.
+
+    An Equinox module keeps its activation function, strings and Python
+    numbers (a dropout rate) among its leaves; Equinox's convention is that
+    only its arrays are parameters (`equinox.filter_grad` gives the rest
+    ``None`` gradients), so the optimizers see exactly
+    ``eqx.filter(module, eqx.is_array)`` and a module can be passed as it is.
+    Leaves outside modules are kept: a Python number in a dict of parameters
+    is a parameter, and is checked as one.
+    """
+    def filtered(node: Any) -> Any:
+        return eqx.filter(node, eqx.is_array) if isinstance(node, eqx.Module) else node
+
+    return jax.tree_util.tree_map(filtered, tree, is_leaf=lambda node: isinstance(node, eqx.Module))

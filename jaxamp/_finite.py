@@ -229,6 +229,8 @@ _NUMERIC = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 def _select_leaf(pred: jax.Array, x: Any, y: Any) -> Any:
+    if isinstance(x, (bool, int, float, complex)) and type(x) is type(y) and x == y:
+        return x  # a Python number in a module's fields stays a Python number
     if isinstance(x, _NUMERIC) and isinstance(y, _NUMERIC):
         return jax.lax.select(pred, x, y)
     # Equinox modules keep functions, strings and other objects as leaves: they

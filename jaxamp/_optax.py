@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._dtypes import array_part
 from ._finite import AxisName, check_axis_name, local_all_finite, on_every_device, select_tree
 
 __all__ = ["SkipNonFiniteState", "apply_if_finite_updates", "skip_nonfinite_updates"]
@@ -75,13 +76,14 @@ def skip_nonfinite_updates(
     def init(params: Any) -> SkipNonFiniteState:
         # Separate buffers per field, so the state can be donated to a jit'd step.
         return SkipNonFiniteState(
-            inner.init(params), jnp.array(True), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
+            inner.init(array_part(params)), jnp.array(True), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
         )
 
     def update(grads, state: SkipNonFiniteState, params=None, **extra_args):
         finite = on_every_device(
             local_all_finite(grads), axis_name, what="skip_nonfinite_updates"
         )
+        params = None if params is None else array_part(params)
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, updates)
         skipped = (~finite).astype(jnp.int32)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._dtypes import array_part
 from ._checks import as_optimizer
 from ._rounding import STORAGE_DTYPES, check_rounding, leaf_keys, round_to
 
@@ -101,6 +102,7 @@ def low_precision_params(
     key = check_rounding(owner, rounding, key, _ROUNDINGS)
 
     def init(params: Any) -> LowPrecisionParamsState:
+        params = array_part(params)
         _check_leaves("parameter", params)
         compensation = None
         if rounding == "kahan":
@@ -115,6 +117,7 @@ def low_precision_params(
                 f"{owner} computes each new value from the parameters: call "
                 "update(grads, state, params)."
             )
+        params = array_part(params)
         _check_leaves("parameter", params)
         _check_leaves("gradient", grads)
         params32 = _upcast(params)

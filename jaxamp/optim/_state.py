@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._dtypes import array_part
 from ._checks import as_optimizer
 from ._rounding import STORAGE_DTYPES, check_rounding, leaf_keys, round_to, storage_dtype
 
@@ -101,10 +102,11 @@ def cast_state(
                 return leaf.astype(dtype)
             return leaf
 
-        return CastStateState(jax.tree.map(store, inner.init(params)), key)
+        return CastStateState(jax.tree.map(store, inner.init(array_part(params))), key)
 
     def update(updates, state: CastStateState, params=None, **extra_args):
         upcast = jax.tree.map(lambda x: x.astype(_F32) if is_stored(x) else x, state.inner_state)
+        params = None if params is None else array_part(params)
         updates, new_inner = inner.update(updates, upcast, params, **extra_args)
 
         old = jax.tree_util.tree_leaves_with_path(state.inner_state)
