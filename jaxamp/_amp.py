@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _compat, _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
 from ._accumulation import with_float32_accumulation
-from ._casting import cast_value
+from ._casting import as_array, cast_value
 from ._dtypes import canonical_compute_dtype
 from ._eager_cache import EagerCache
 from ._fp8 import FP8_NAMES, Fp8Recipe, as_recipe, with_fp8_matmuls
@@ -195,7 +195,7 @@ class AmpOptions:
 
     def _evaluate(self, closed: Any, flat_args: Any, num_outs: int, ctx: AmpContext) -> list:
         outs = interpret(closed.jaxpr, closed.consts, flat_args, ctx)
-        outs = [cast_value(x, a.dtype) for x, a in zip(outs, closed.out_avals)]
+        outs = [as_array(cast_value(x, a.dtype), a) for x, a in zip(outs, closed.out_avals)]
         if self.output_dtype is not None:
             # fn's own outputs only: state written back into flax nnx arguments
             # keeps its dtypes.

@@ -12,13 +12,14 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from ._dtypes import is_castable
 
-__all__ = ["cast_value", "dtype_of", "saturating_cast", "shared_casts"]
+__all__ = ["as_array", "cast_value", "dtype_of", "saturating_cast", "shared_casts"]
 
 # value id -> {dtype: (value, its cast)} for the jaxpr being interpreted.
 _SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
@@ -94,3 +95,18 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
             clamped = lax.clamp(-bound, x, bound)
             x = lax.select(lax.eq(lax.abs(x), np.asarray(np.inf, current)), x, clamped)
     return cast_value(x, dtype)
+
+
+def as_array(value: Any, aval: Any) -> Any:
+    """`value` as a JAX array of type `aval`, if the program held it as a constant.
+
+    An output the program computed from nothing (``jnp.array(False)``, a
+    BatchNorm's "first call" flag) is a literal in its jaxpr, and evaluating
+    the jaxpr yields the literal's Python or NumPy value; the function itself
+    returned an Array, and so does amp (with the literal's weak type).
+    """
+    if isinstance(value, jax.Array):
+        return value
+    if getattr(aval, "weak_type", False):
+        return jnp.asarray(np.asarray(value).item())  # a Python scalar: weakly typed
+    return jnp.asarray(value, dtype=aval.dtype)

@@ -33,6 +33,7 @@ import equinox as eqx
 import jax
 
 from . import _compat
+from ._casting import as_array
 
 if TYPE_CHECKING:
     from ._amp import AmpOptions
@@ -185,7 +186,7 @@ class _EagerProgram:
         for step, invars, outvars in self._steps:
             outs = step(*map(read, invars))
             env.update(zip(outvars, outs))
-        return [read(v) for v in self._outvars]
+        return [as_array(read(v), v.aval) for v in self._outvars]
 
 
 def _bind(primitive: Any, params: dict) -> Callable:
