@@ -206,6 +206,14 @@ def check(c: Case, dtype, route):
     expected = fn(*args)
     actual = jaxamp.amp(fn, compute_dtype=dtype)(*args)
     assert_matches(actual, expected, UNIT_ROUNDOFF[dtype] * c.ulps)
+    # What fn returns, amp returns: an Array stays an Array, weak types too.
+    assert jax.tree.map(_leaf_kind, actual) == jax.tree.map(_leaf_kind, expected)
+
+
+def _leaf_kind(leaf):
+    if isinstance(leaf, jax.Array):
+        return ("Array", jax.typeof(leaf).weak_type)
+    return type(leaf)
 
 
 def runs(c: Case, *, f32_route_dtypes=(F16,)):

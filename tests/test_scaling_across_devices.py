@@ -274,3 +274,37 @@ def test_pmap_with_a_collective_in_the_loss_returns_with_one_scale(trouble, redo
         assert resets == 1  # skipped, one shrink
     else:
         assert resets > 1 and bool(jaxamp.all_finite(grads))  # redone to a finite step
+
+
+@pytest.mark.parametrize("mode", ["pmap", "shard_map"])
+def test_a_psummed_normaliser_in_the_loss_with_redo(mode):
+    # The loss divides by a token count summed over the devices, as LM
+    # scripts with padding do; one device overflows; redo must neither hang
+    # nor split the devices' decisions.
+    axis = "batch" if mode == "pmap" else "dp"
+
+    def loss(params, x):
+        count = jax.lax.psum(jnp.float32(x.shape[0]), axis)
+        h = x.astype(jnp.float16) @ params["w1"].astype(jnp.float16)
+        return jnp.sum(h.astype(jnp.float32) ** 2) / count
+
+    kwargs = {"axis_name": axis} if mode == "pmap" else {}
+    grad_fn = jaxamp.dynamic_scale_value_and_grad(loss, filter=False, redo_on_nan=10, **kwargs)
+
+    def step(params, x, state):
+        state, (value, grads) = grad_fn(params, x, dynamic_scaler_state=state)
+        return state, _per_device(state.total_resets)
+
+    x = _batch().at[5].set(30.0)
+    start = jaxamp.DynamicScalerState(scaler=2.0**15)
+    if mode == "pmap":
+        state, resets = jax.pmap(step, axis_name="batch", in_axes=(None, 0, None))(
+            _params(), x.reshape(N, 4, D), start
+        )
+        scales = np.asarray(state.scaler)
+    else:
+        fn = _shard_map(step, (P(), P("dp"), P()), (P(), P("dp")))
+        state, resets = fn(_params(), x, start)
+        scales = np.asarray(state.scaler)[None]
+    assert (scales == scales.ravel()[0]).all() and scales.ravel()[0] < 2.0**15
+    assert len(set(np.asarray(resets).ravel().tolist())) == 1
