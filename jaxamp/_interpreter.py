@@ -25,6 +25,7 @@ from ._regions import Regions
 from ._rules import PolicyTable, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
 from ._statistics import plan_statistics
+from ._tail import tail_equations
 
 __all__ = [
     "HANDLERS",
@@ -115,6 +116,8 @@ class AmpContext:
         statistics_inputs: ``(body, arguments)`` when the next jaxpr to be
             interpreted is the body of a call: what `plan_statistics` plans
             it with at this call site (see `jaxamp._statistics`).
+        tail: the jaxpr is the body of an equation in the program's tail (see
+            `jaxamp._tail`): all of it runs by the ``"amp_tail"`` entry.
     """
 
     compute_dtype: np.dtype
@@ -125,6 +128,7 @@ class AmpContext:
     trip_count: int = 1
     call_sites: tuple[Any, ...] = ()
     statistics_inputs: tuple[Any, tuple] | None = None
+    tail: bool = False
 
     def nested(self, eqn: Any, statistics_inputs: tuple[Any, tuple] | None = None) -> AmpContext:
         """The context for the bodies of `eqn`, a higher-order equation."""
@@ -195,8 +199,10 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         write(v, value)
     for v, value in zip(jaxpr.invars, args, strict=True):
         write(v, value)
+    tail: frozenset[int] = frozenset()
     if not ctx.call_sites:  # the amp'd program itself, not a body inside it
         ctx = _for_program(ctx, jaxpr)
+        tail = tail_equations(jaxpr)
 
     given = ctx.statistics_inputs
     plan = plan_statistics(jaxpr, *(given[1] if given is not None and given[0] is jaxpr else ()))
@@ -205,12 +211,15 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         handler = HANDLERS.get(eqn.primitive)
+        in_tail = ctx.tail or i in tail
         with _compat.eqn_source(eqn):
             if handler is not None:
                 call_inputs = plan.call_inputs.get(i)
                 nested = ctx.nested(
                     eqn, None if call_inputs is None else (_compat.call_body(eqn), call_inputs)
                 )
+                if in_tail and not nested.tail:
+                    nested = dataclasses.replace(nested, tail=True)
                 outvals = _run_handler(handler, ctx, nested, eqn, invals)
             else:
                 outvals = _apply_rule(
@@ -219,6 +228,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
                     invals,
                     statistic=i in plan.statistics,
                     bounded=i in plan.bounded,
+                    tail=in_tail,
                     casts=casts,
                 )
         if not eqn.primitive.multiple_results:
@@ -311,6 +321,7 @@ def _apply_rule(
     force_original: bool = False,
     statistic: bool = False,
     bounded: bool = False,
+    tail: bool = False,
     casts: dict | None = None,
 ) -> Any:
     scopes = ctx.scopes + _compat.eqn_scopes(eqn)
@@ -320,7 +331,7 @@ def _apply_rule(
     # cannot be rewritten, so it gets exactly the operands it was traced with.
     choice = None
     if "subfuns" not in params and not force_original:
-        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic, bounded)
+        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic, bounded, tail)
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     before = tuple(dtype_of(x) for x in invals)

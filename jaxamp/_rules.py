@@ -459,6 +459,9 @@ default_amp_policy: PolicyTable = PolicyTable(
         # exp(x - max(x)) and the like: results in (0, 1], safe in float16
         # (see `jaxamp._ranges`).
         "amp_range": use_current_precision,
+        # What runs after the program's last matmul (the loss): float32, as
+        # PyTorch's autocast runs its loss functions (see `jaxamp._tail`).
+        "amp_tail": use_original_precision,
     }
 )
 """The default amp policy table (read-only; see `PolicyTable`)."""

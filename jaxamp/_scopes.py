@@ -19,6 +19,7 @@ __all__ = [
     "AMP_RANGE",
     "AMP_STATISTICS",
     "AMP_STOP",
+    "AMP_TAIL",
     "RuleChoice",
     "amp_stop",
     "choose_rule",
@@ -31,6 +32,9 @@ AMP_STATISTICS = "amp_statistics"
 # The entry for range-limited ops whose result the range facts bound (see
 # `jaxamp._ranges`); it replaces only the default `use_full_range_precision`.
 AMP_RANGE = "amp_range"
+# The entry for the program's tail: what runs after its last matmul (see
+# `jaxamp._tail`).
+AMP_TAIL = "amp_tail"
 
 
 @contextlib.contextmanager
@@ -70,7 +74,7 @@ class RuleChoice(NamedTuple):
     """The rule for one equation and which table entry supplied it."""
 
     rule: Callable
-    # "amp_stop", "scope:<name>", "statistics", "range", "primitive" or "amp_default"
+    # "amp_stop", "scope:<name>", "tail", "statistics", "range", "primitive" or "amp_default"
     decided_by: str
 
 
@@ -80,11 +84,14 @@ def choose_rule(
     primitive: Any,
     statistic: bool = False,
     bounded: bool = False,
+    tail: bool = False,
 ) -> RuleChoice | None:
     """Pick the policy entry for an equation.
 
     An active ``amp_stop`` wins, because it is the user's explicit off switch;
     otherwise the outermost active scope with an entry; then, for an equation
+    in the program's tail (`tail`, after its last matmul), ``"amp_tail"``;
+    then, for an equation
     computing normalisation statistics (`statistic`), ``"amp_statistics"``;
     then, for a range-limited equation whose result is known to be bounded
     (`bounded`) and whose primitive's entry is `use_full_range_precision`,
@@ -96,6 +103,8 @@ def choose_rule(
     for scope in scopes:
         if scope in policy:
             return RuleChoice(policy[scope], f"scope:{scope}")
+    if tail and AMP_TAIL in policy:
+        return RuleChoice(policy[AMP_TAIL], "tail")
     if statistic and AMP_STATISTICS in policy:
         return RuleChoice(policy[AMP_STATISTICS], "statistics")
     rule = policy.get(primitive)

@@ -31,12 +31,24 @@ def _cast_arrays(tree, dtype):
 
 
 def test_linear_equals_half_cast_linear():
+    # The reference package's test, with its table: the bias add after the
+    # matmul in float16 too. (jaxamp's default runs the program's tail, what
+    # comes after its last matmul, in float32: the next test.)
     linear = eqx.nn.Linear(5, 3, key=KEY)
     x = jax.random.normal(jax.random.PRNGKey(1), (5,))
     expected = _cast_arrays(linear, jnp.float16)(x.astype(jnp.float16)).astype(jnp.float32)
-    out = amp(linear)(x)
+    without_tail = {k: v for k, v in default_amp_policy.items() if k != "amp_tail"}
+    out = amp(linear, amp_policy=without_tail)(x)
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(out, expected)
+
+
+def test_linear_adds_its_bias_in_float32_as_the_programs_tail():
+    linear = eqx.nn.Linear(5, 3, key=KEY)
+    x = jax.random.normal(jax.random.PRNGKey(1), (5,))
+    half = _cast_arrays(linear, jnp.float16)
+    expected = (half.weight @ x.astype(jnp.float16)).astype(jnp.float32) + linear.bias
+    np.testing.assert_array_equal(amp(linear)(x), expected)
 
 
 def test_amp_stop_decorator_gives_float32():
@@ -323,7 +335,9 @@ def test_unknown_primitive_runs_at_original_precision():
 
 
 def _tanh_after_matmul(w, x):
-    return jnp.tanh(x @ w) * 2.0
+    # The tanh feeds another matmul: not the program's tail (which runs in
+    # float32 by its own entry), so the table's entry for tanh decides.
+    return jnp.tanh(x @ w) @ w.T
 
 
 def test_amp_default_moving_operands_back_warns_once_naming_the_fix(fresh_warnings):
@@ -564,7 +578,9 @@ def test_mask_constants_saturate_instead_of_becoming_inf():
 
 
 def test_unrepresentable_constants_saturate_to_the_half_maximum():
-    g = lambda x, w: jnp.nan_to_num((x @ w) / 0.0)  # noqa: E731  posinf = finfo(float32).max
+    # posinf = finfo(float32).max; the result feeds a matmul, so it is not the
+    # program's tail (which runs in float32) and stays float16.
+    g = lambda x, w: jnp.nan_to_num((x @ w) / 0.0) @ w  # noqa: E731
     out = amp(g)(jnp.ones((1, 2)), jnp.eye(2))
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(out, float(jnp.finfo(jnp.float16).max))

@@ -85,8 +85,10 @@ W, X = uniform(-1, 1, (8, 8)) / 4, uniform(-1, 1, (4, 8))
 
 
 def _named_layer(w, x):
+    # A layer inside a model: its output feeds the next matmul (what follows
+    # the last matmul is the program's tail, run in float32).
     h = checkpoint_name(x @ w, "h")
-    return jnp.sum(jnp.tanh(h) ** 2)
+    return jnp.sum(jnp.tanh(h) @ w.T)
 
 
 def test_checkpoint_name_keeps_the_compute_dtype():

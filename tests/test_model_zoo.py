@@ -173,3 +173,19 @@ def test_loss_close_to_float32_and_gradients_float32(make):
     flat32 = jnp.concatenate([g.ravel() for g in leaves32])
     cosine = flat @ flat32 / (jnp.linalg.norm(flat) * jnp.linalg.norm(flat32))
     assert cosine > 0.98
+
+
+def _leaf_kind(leaf):
+    if isinstance(leaf, jax.Array):
+        return ("Array", leaf.dtype, leaf.shape, jax.typeof(leaf).weak_type)
+    return type(leaf)
+
+
+@pytest.mark.parametrize("make", MODELS, ids=lambda m: m.__name__)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_outputs_are_what_the_model_returns(make, dtype):
+    # The same tree, leaf types, dtypes and weak types, eagerly and under jit.
+    loss, args = make()
+    expected = jax.tree.map(_leaf_kind, loss(*args))
+    assert jax.tree.map(_leaf_kind, amp(loss, compute_dtype=dtype)(*args)) == expected
+    assert jax.tree.map(_leaf_kind, eqx.filter_jit(amp(loss, compute_dtype=dtype))(*args)) == expected

@@ -17,6 +17,10 @@ from jaxamp import (
 KEY_W, KEY_X = jax.random.split(jax.random.key(0))
 W = jax.random.normal(KEY_W, (16, 32)) / 4
 X = jax.random.normal(KEY_X, (8, 16))
+# These blocks end their programs: without the tail entry (which runs what
+# follows the last matmul in float32; tests/test_tail.py) they run as the
+# same block does inside a model, followed by the next matmul.
+NO_TAIL = {key: rule for key, rule in default_amp_policy.items() if key != "amp_tail"}
 
 
 def _group_norm_block(w, x):
@@ -27,7 +31,7 @@ def _group_norm_block(w, x):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_norm_output_leaves_in_compute_dtype(dtype):
-    amp = jaxamp.amp(_group_norm_block, compute_dtype=dtype)
+    amp = jaxamp.amp(_group_norm_block, compute_dtype=dtype, amp_policy=NO_TAIL)
     jaxpr = jax.make_jaxpr(amp)(W, X)
     # The ReLU after the norm runs in the compute dtype, as in hand-cast code.
     relus = float_operand_dtypes(jaxpr, ("max",))
@@ -61,7 +65,7 @@ def _stats_layer(w, x):
 
 
 def test_only_results_of_the_activations_shape_are_rounded():
-    table = default_amp_policy | {"my_norm": use_normalisation_precision}
+    table = NO_TAIL | {"my_norm": use_normalisation_precision}
     jaxpr = jax.make_jaxpr(jaxamp.amp(_stats_layer, compute_dtype="bf16", amp_policy=table))(W, X)
     tanhs = float_operand_dtypes(jaxpr, ("tanh",))
     assert tanhs == [("tanh", (jnp.bfloat16,))]
@@ -80,3 +84,11 @@ def test_explain_and_default_table():
     assert default_amp_policy["eqx.nn.GroupNorm"] is use_normalisation_precision
     report = jaxamp.explain(_group_norm_block, compute_dtype="bf16")(W, X)
     assert any(r.decided_by == "scope:eqx.nn.GroupNorm" for r in report.rows)
+
+
+def test_inside_a_model_the_norm_hands_on_in_compute_dtype_with_the_default_table():
+    def two_layers(w, x):
+        return jnp.sum(_group_norm_block(w, x) @ w.T)
+
+    relus = float_operand_dtypes(jax.make_jaxpr(jaxamp.amp(two_layers, compute_dtype="bf16"))(W, X), ("max",))
+    assert relus and all(t == jnp.bfloat16 for t in relus[-1][1]), relus

@@ -239,3 +239,34 @@ def test_eager_amp_explain_and_find_nonfinite_under_a_mesh(mode, layout):
         report = jaxamp.explain(_dropout_loss, compute_dtype="bf16")(*args, key)
         assert report.low_precision_flop_fraction == 1.0
         assert jaxamp.find_nonfinite(_dropout_loss, compute_dtype="f16")(*args, key) is None
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("mode", ["explicit", "auto"])
+def test_sharding_helpers_place_gather_and_constrain_on_both_modes(mode, layout):
+    from jaxamp.sharding import make_shard_and_gather_fns, match_partition_rules, tree_apply
+    from jaxamp.sharding import with_sharding_constraint
+
+    params, x, y = _problem()
+    mesh = _mesh(mode)
+    rules = tuple((f"{name}$", spec) for name, spec in LAYOUTS[layout].items())
+    with jax.set_mesh(mesh):
+        specs = match_partition_rules(rules, params)
+        shard, gather = make_shard_and_gather_fns(specs)
+        placed = tree_apply(shard, params)
+        for name, spec in LAYOUTS[layout].items():
+            assert placed[name].sharding.spec == spec
+        gathered = tree_apply(gather, placed)
+        for name in params:
+            np.testing.assert_array_equal(gathered[name], params[name])
+
+        def loss(params, x, y):
+            h = with_sharding_constraint(jax.nn.relu(x @ params["w1"]), P("data", None))
+            return jnp.mean((h @ params["w2"] - y) ** 2)
+
+        batch = NamedSharding(mesh, P("data"))
+        args = (placed, jax.device_put(x, batch), jax.device_put(y, batch))
+        grads = jax.jit(jax.grad(jaxamp.amp(loss, compute_dtype="bf16")))(*args)
+        plain = jax.jit(jax.grad(loss))(*args)
+        for name in params:
+            assert jax.typeof(grads[name]) == jax.typeof(plain[name])

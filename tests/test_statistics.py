@@ -98,7 +98,9 @@ def test_norm_after_a_bf16_matmul_computes_in_float32(name):
 @pytest.mark.parametrize("name", ["linen.LayerNorm", "nnx.RMSNorm", "haiku_style_LayerNorm"])
 def test_explain_names_the_statistics_rule(name):
     norm = NORMS[name]()
-    report = jaxamp.explain(lambda w, x: norm(x @ w).sum(), compute_dtype="bf16")(W, X)
+    # The norm feeds a matmul, as inside a model (after the last matmul, the
+    # program's tail runs in float32 by its own rule).
+    report = jaxamp.explain(lambda w, x: (norm(x @ w) @ w).sum(), compute_dtype="bf16")(W, X)
     stats = [r for r in report.rows if r.decided_by == "statistics"]
     assert stats, report
     assert all(set(r.dtypes_after) == {"f32"} for r in stats), stats
@@ -107,7 +109,9 @@ def test_explain_names_the_statistics_rule(name):
 def test_the_statistics_entry_can_be_switched_off():
     # A user who wants the norms in bfloat16 says so in the table.
     norm = NORMS["linen.LayerNorm"]()
-    table = default_amp_policy | {"amp_statistics": use_current_precision}
+    # (Without the tail entry too: this norm ends the program.)
+    table = {k: v for k, v in default_amp_policy.items() if k != "amp_tail"}
+    table |= {"amp_statistics": use_current_precision}
     mixed = amp(lambda w, x: norm(x @ w), compute_dtype="bf16", amp_policy=table)(W, X)
     reference = norm(_bf16_matmul(W, X))
     assert np.max(np.abs(mixed - reference)) > 100 * FLOAT32_RTOL
@@ -170,5 +174,7 @@ def test_inference_batch_norm_normalises_in_float32():
     variables = bn.init(jax.random.PRNGKey(2), X @ W)
     variables = jax.tree.map(lambda v: v + 0.5, variables)  # non-trivial running stats
     norm = lambda h: bn.apply(variables, h)  # noqa: E731
-    report = jaxamp.explain(lambda w, x: norm(x @ w).sum(), compute_dtype="bf16")(W, X)
+    # The norm feeds a matmul, as inside a model (after the last matmul, the
+    # program's tail runs in float32 by its own rule).
+    report = jaxamp.explain(lambda w, x: (norm(x @ w) @ w).sum(), compute_dtype="bf16")(W, X)
     assert [r for r in report.rows if r.decided_by == "statistics" and r.primitive == "mul"], report

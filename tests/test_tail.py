@@ -1,0 +1,106 @@
+"""The program's tail (after its last matmul: the loss) runs in float32 by default.
+
+As PyTorch's autocast runs its loss functions in float32: a loss of bfloat16 or
+float16 logits equals the float32 loss of the same logits to float32 rounding,
+whichever library wrote it, while attention's softmax, which feeds a matmul,
+keeps the compute dtype (by the range rule).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxpr_walk import iter_eqns
+
+K1, K2, K3 = jax.random.split(jax.random.PRNGKey(0), 3)
+H = jax.random.normal(K1, (32, 64))
+W = jax.random.normal(K2, (64, 1000)) / 8
+LABELS = jax.random.randint(K3, (32,), 0, 1000)
+HALF = {"bf16": jnp.bfloat16, "f16": jnp.float16}
+
+
+def _label_smoothed(logits):
+    targets = optax.smooth_labels(jax.nn.one_hot(LABELS, 1000), 0.1)
+    return optax.softmax_cross_entropy(logits, targets).mean()
+
+
+LOSSES = {
+    "optax integer cross-entropy": lambda l: optax.softmax_cross_entropy_with_integer_labels(l, LABELS).mean(),
+    "label-smoothed cross-entropy": _label_smoothed,
+    "jax.nn.log_softmax": lambda l: jax.nn.log_softmax(l).mean(),
+    "jax.nn.logsumexp": lambda l: jax.nn.logsumexp(l, axis=-1).mean(),
+    "mean squared error": lambda l: jnp.mean((l - 0.5) ** 2),
+}
+
+
+@pytest.mark.parametrize("compute_dtype", sorted(HALF))
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_losses_of_half_logits_equal_float32_losses(name, compute_dtype):
+    loss = LOSSES[name]
+
+    def fn(h, w):
+        return loss(h @ w)
+
+    half = HALF[compute_dtype]
+    logits = (H.astype(half) @ W.astype(half)).astype(jnp.float32)
+    expected = float(loss(logits))
+    got = jaxamp.amp(fn, compute_dtype=compute_dtype)(H, W)
+    assert got.dtype == jnp.float32
+    assert abs(float(got) - expected) <= 1e-5 * abs(expected)
+    grads = jax.grad(jaxamp.amp(fn, compute_dtype=compute_dtype), argnums=(0, 1))(H, W)
+    assert all(g.dtype == jnp.float32 for g in grads)
+    # explain says which rule kept the loss in float32, and the matmul is half.
+    report = jaxamp.explain(fn, compute_dtype=compute_dtype)(H, W)
+    assert report.low_precision_flop_fraction == 1.0
+    tail_rows = [r for r in report.rows if r.decided_by == "tail"]
+    assert tail_rows and not any({"f16", "bf16"} & set(r.dtypes_after) for r in tail_rows)
+
+
+def test_attention_softmax_feeding_a_matmul_keeps_the_compute_dtype():
+    def attention_then_loss(q, k, v, w):
+        probs = jax.nn.softmax(q @ k.T / 8.0, axis=-1)
+        return jax.nn.logsumexp((probs @ v) @ w, axis=-1).mean()
+
+    q = k = v = H
+    report = jaxamp.explain(attention_then_loss, compute_dtype="f16")(q, k, v, W)
+    exps = [r for r in report.rows if r.primitive == "exp"]
+    by_rule = {r.decided_by: r.dtypes_after for r in exps}
+    assert by_rule["range"] == ("f16",)  # the attention softmax
+    assert by_rule["tail"] == ("f32",)  # the loss's logsumexp
+
+
+def test_the_tail_can_be_switched_off():
+    table = {k: v for k, v in jaxamp.default_amp_policy.items() if k != "amp_tail"}
+
+    def fn(h, w):
+        return jnp.tanh(h @ w) * 2.0
+
+    jaxpr = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype="bf16", amp_policy=table))(H, W)
+    tanhs = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.tanh_p]
+    assert tanhs[0].invars[0].aval.dtype == jnp.bfloat16
+    jaxpr = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype="bf16"))(H, W)
+    tanhs = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.tanh_p]
+    assert tanhs[0].invars[0].aval.dtype == jnp.float32
+
+
+def test_a_program_without_matmuls_has_no_tail():
+    def fn(x):
+        return jnp.exp(x.astype(jnp.bfloat16)) * 2.0
+
+    jaxpr = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype="bf16"))(jnp.ones(3))
+    exps = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.exp_p]
+    assert exps[0].invars[0].aval.dtype == jnp.bfloat16  # as the program has it
+
+
+def test_a_users_scope_wins_over_the_tail():
+    def fn(h, w):
+        with jax.named_scope("head"):
+            return jnp.tanh(h @ w).mean()
+
+    table = jaxamp.default_amp_policy | {"head": jaxamp.use_precision("bf16")}
+    jaxpr = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype="f16", amp_policy=table))(H, W)
+    tanhs = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.tanh_p]
+    assert tanhs[0].invars[0].aval.dtype == jnp.bfloat16
