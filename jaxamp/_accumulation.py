@@ -31,7 +31,8 @@ import numpy as np
 from . import _compat
 from ._casting import dtype_of
 from ._interpreter import EquationRewrite
-from ._rules import _COMPUTE_PRIMITIVES, PolicyTable, Rule, use_compute_precision
+from ._jaxpr import MATMUL_NAMES
+from ._rules import PolicyTable, Rule, use_compute_precision
 
 __all__ = ["use_float32_accumulation", "with_float32_accumulation"]
 
@@ -88,7 +89,7 @@ def with_float32_accumulation(table: Mapping[Any, Rule]) -> PolicyTable:
     their meaning, as fp8 mode leaves them.
     """
     by_name = _compat.primitives_by_name()
-    primitives = [by_name[name] for name in _COMPUTE_PRIMITIVES if name in by_name]
+    primitives = [by_name[name] for name in MATMUL_NAMES if name in by_name]
     return PolicyTable(
         {
             **table,

@@ -23,8 +23,9 @@ import numpy as np
 from . import _compat
 from ._amp import AmpOptions
 from ._dtypes import dtype_short_name, is_castable
-from ._fp8 import MATMUL_NAMES, bodies, matmuls_in
+from ._fp8 import matmuls_in
 from ._interpreter import EquationEvent
+from ._jaxpr import MATMUL_NAMES, bodies
 
 __all__ = ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
 

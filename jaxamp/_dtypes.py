@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "array_part",
     "CASTABLE_DTYPES",
+    "array_part",
     "canonical_compute_dtype",
     "cast_floating",
     "dtype_short_name",

@@ -38,15 +38,14 @@ from . import _compat
 from ._casting import dtype_of
 from ._dtypes import dtype_short_name, is_castable
 from ._interpreter import HANDLERS, EquationRewrite
-from ._rules import _COMPUTE_PRIMITIVES, PolicyTable, Rule, use_compute_precision
+from ._jaxpr import MATMUL_NAMES, bodies
+from ._rules import PolicyTable, Rule, use_compute_precision
 
 __all__ = [
     "FP8_NAMES",
-    "MATMUL_NAMES",
     "Fp8MatmulRule",
     "Fp8Recipe",
     "as_recipe",
-    "bodies",
     "contraction_size",
     "formats",
     "matmuls_in",
@@ -60,9 +59,6 @@ FP8_NAMES = ("fp8", "float8")
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 _F32 = np.dtype(jnp.float32)
-
-# The matmuls fp8 mode moves: the default table's compute list.
-MATMUL_NAMES = frozenset(_COMPUTE_PRIMITIVES)
 
 # The cotangent's format in the gradient matmuls, by primitive (e5m2 unless
 # listed); the saved operands are e4m3. A convolution takes one dtype for both
@@ -398,14 +394,6 @@ def matmuls_in(jaxpr: Any, *, rewritten_only: bool = False) -> Iterator[Any]:
             continue
         for body in bodies(eqn):
             yield from matmuls_in(body, rewritten_only=rewritten_only)
-
-
-def bodies(eqn: Any) -> Iterator[Any]:
-    """The jaxprs an equation carries in its parameters, in parameter order."""
-    for value in eqn.params.values():
-        for body in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(body, (_compat.Jaxpr, _compat.ClosedJaxpr)):
-                yield body
 
 
 def with_fp8_matmuls(table: Mapping[Any, Rule], recipe: Fp8Recipe) -> PolicyTable:

@@ -20,27 +20,18 @@ A program without matmuls has no tail: amp leaves it as its table says.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from . import _compat
+from ._jaxpr import MATMUL_NAMES, bodies
 
-__all__ = ["MATMUL_NAMES", "tail_equations"]
-
-MATMUL_NAMES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+__all__ = ["tail_equations"]
 
 _HAS_MATMUL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _bodies(eqn: Any) -> Iterator[Any]:
-    # Every jaxpr among a higher-order equation's parameters: call, loop and
-    # branch bodies, remat and custom-derivative primal bodies, shard_map's.
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, _compat.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, _compat.Jaxpr):
-                yield item
+def _open(jaxpr: Any) -> Any:
+    return getattr(jaxpr, "jaxpr", jaxpr)
 
 
 def _has_matmul(jaxpr: Any) -> bool:
@@ -49,7 +40,7 @@ def _has_matmul(jaxpr: Any) -> bool:
     except (KeyError, TypeError):
         pass
     found = any(
-        eqn.primitive.name in MATMUL_NAMES or any(_has_matmul(body) for body in _bodies(eqn))
+        eqn.primitive.name in MATMUL_NAMES or any(_has_matmul(_open(body)) for body in bodies(eqn))
         for eqn in jaxpr.eqns
     )
     try:
@@ -70,7 +61,7 @@ def tail_equations(jaxpr: Any) -> frozenset[int]:
     """
     eqns = jaxpr.eqns
     matmul = [
-        eqn.primitive.name in MATMUL_NAMES or any(_has_matmul(b) for b in _bodies(eqn)) for eqn in eqns
+        eqn.primitive.name in MATMUL_NAMES or any(_has_matmul(_open(b)) for b in bodies(eqn)) for eqn in eqns
     ]
     if not any(matmul):
         return frozenset()

@@ -8,7 +8,6 @@ keeps the compute dtype (by the range rule).
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
