@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -133,6 +134,26 @@ class AmpRow:
         """Whether some float operand ran in float32."""
         return "f32" in self.dtypes_after
 
+    @property
+    def kept_full_on_purpose(self) -> bool:
+        """Whether a rule ran this equation in float32 where amp could have moved it.
+
+        True when an operand reached it in half precision and went up to
+        float32, or when an entry that pins float32 decided it (the program's
+        tail, normalisation statistics, a scope); not for equations that simply
+        stayed float32 (random-number arithmetic, constants, integer work).
+        """
+        if not self.full_precision or self.decided_by == "amp_stop":
+            return False
+        cast_up = any(b in _HALF and a == "f32" for b, a in zip(self.dtypes_before, self.dtypes_after))
+        pinned = self.decided_by in ("tail", "statistics") or self.decided_by.startswith("scope:")
+        return cast_up or pinned
+
+    @property
+    def moved_to_half(self) -> bool:
+        """Whether amp cast a float32 operand of this equation down to 16 or 8 bits."""
+        return any(b == "f32" and a in (*_HALF, *_FLOAT8) for b, a in zip(self.dtypes_before, self.dtypes_after))
+
 
 def _row(event: EquationEvent, fp8: bool = False) -> AmpRow:
     eqn = event.eqn
@@ -219,8 +240,17 @@ class AmpReport:
 
     @property
     def kept_full_by_rule(self) -> int:
-        """Equations run with float32 operands because a policy entry said so."""
-        return sum(r.full_precision and r.decided_by != "amp_stop" for r in self.rows)
+        """Equations a rule kept in float32 where amp could have moved them.
+
+        See `AmpRow.kept_full_on_purpose`: equations that simply stayed
+        float32 (random numbers, constants) are not counted.
+        """
+        return sum(r.kept_full_on_purpose for r in self.rows)
+
+    @property
+    def moved_to_half(self) -> int:
+        """Equations whose float32 operands amp moved to the compute dtype (or float8)."""
+        return sum(r.moved_to_half for r in self.rows)
 
     @property
     def kept_full_by_amp_stop(self) -> int:
@@ -236,6 +266,7 @@ class AmpReport:
             "total_matmul_flops": self.total_matmul_flops,
             "casts_inserted": self.casts_inserted,
             "kept_full_by_rule": self.kept_full_by_rule,
+            "moved_to_half": self.moved_to_half,
             "kept_full_by_amp_stop": self.kept_full_by_amp_stop,
             "rows": [dataclasses.asdict(r) for r in self.rows],
         }
@@ -245,21 +276,38 @@ class AmpReport:
         return out
 
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self, fold: bool = True) -> str:
+        """The report as text: a summary line, then one row per kind of equation.
+
+        Rows group equations with the same scope, primitive, rule, dtypes and
+        source line. With `fold`, repeated instances of a layer (scopes that
+        differ only in their numbers: ``layer_norm_3`` ... ``layer_norm_12``,
+        ``layers/3/mlp``) share one set of rows, the scope's numbers shown as
+        ``*`` and the count summed.
+
+        Args:
+            fold: group numbered instances of the same layer.
+        """
         groups: dict[tuple, list[AmpRow]] = defaultdict(list)
         for row in self.rows:
-            key = (row.scope, row.primitive, row.decided_by, row.dtypes_after, row.output_dtypes, row.detail)
+            scope = _fold_scope(row.scope) if fold else row.scope
+            key = (scope, row.primitive, row.decided_by, row.dtypes_after, row.output_dtypes,
+                   row.detail, row.source or "")
             groups[key].append(row)
-        header = ("scope", "primitive", "count", "decided by", "operands", "out", "casts", "FLOPs")
+        header = ("scope", "primitive", "count", "decided by", "operands", "out", "casts", "FLOPs",
+                  "source")
         notes = any(row.detail for row in self.rows)
         if notes:
             header += ("notes",)
         lines = [header]
-        for (scope, prim, decided, after, out, detail), rows in groups.items():
+        for (scope, prim, decided, after, out, detail, source), rows in groups.items():
             flops = sum(r.flops for r in rows)
             lines.append((
                 scope or "-", prim, str(sum(r.trip_count for r in rows)), decided,
                 ",".join(after) or "-", ",".join(out), str(sum(r.casts for r in rows)),
-                _si(flops) if flops else "", *((detail,) if notes else ()),
+                _si(flops) if flops else "", _short_source(source), *((detail,) if notes else ()),
             ))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         table = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
@@ -267,7 +315,8 @@ class AmpReport:
             f"amp report (compute dtype {self.compute_dtype}): "
             f"{self.low_precision_flop_fraction:.1%} of {_si(self.total_matmul_flops)} matmul "
             f"FLOPs in low precision; {self.casts_inserted} casts inserted; "
-            f"{self.kept_full_by_rule} equations kept in float32 by rule, "
+            f"{self.moved_to_half} equations moved to {self.compute_dtype}, "
+            f"{self.kept_full_by_rule} kept in float32 by rule, "
             f"{self.kept_full_by_amp_stop} inside amp_stop."
         )
         if self.fp8_recipe is not None:
@@ -276,6 +325,22 @@ class AmpReport:
                 f"{len(self.kept_out_of_fp8)} equation(s) with matmuls kept out of it (see notes)."
             )
         return summary + "\n" + table
+
+
+_NUMBERED = re.compile(r"(?<=[A-Za-z_/])\d+|(?<=^)\d+")
+
+
+def _fold_scope(scope: str) -> str:
+    """`scope` with its instance numbers as ``*``: ``layers_3/attn`` -> ``layers_*/attn``."""
+    return "/".join(_NUMBERED.sub("*", part) for part in scope.split("/"))
+
+
+def _short_source(source: str) -> str:
+    """``file.py:12`` of ``"/path/to/file.py:12 (fn)"``: the column stays narrow."""
+    if not source:
+        return ""
+    location = source.split(" (", 1)[0]
+    return location.rsplit("/", 1)[-1]
 
 
 def _si(value: float) -> str:

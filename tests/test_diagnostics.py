@@ -140,3 +140,38 @@ def test_diagnostics_validate_their_input():
         explain(_planted_overflow, compute_dtype="f17")
     with pytest.raises(TypeError, match="unexpected keyword"):
         explain(_planted_overflow, compute="bf16")
+
+
+def _numbered_layers(params, x):
+    for i, w in enumerate(params):
+        with jax.named_scope(f"layer_norm_{i + 3}"):
+            x = jnp.tanh(x @ w)
+    return jnp.sum(x @ params[0])
+
+
+def test_printed_table_folds_repeated_layers_and_shows_source_lines():
+    params = [jnp.full((8, 8), 0.1)] * 10
+    report = jaxamp.explain(_numbered_layers, compute_dtype="bf16")(params, jnp.ones((4, 8)))
+    folded, unfolded = report.table().splitlines(), report.table(fold=False).splitlines()
+    assert "source" in folded[1].split()
+    layer_rows = [line for line in folded if line.startswith("layer_norm_*")]
+    # Ten instances, one set of rows: a matmul row and a tanh row, counts summed.
+    assert [line.split()[1:3] for line in layer_rows] == [["dot_general", "10"], ["tanh", "10"]]
+    assert all("test_diagnostics.py:" in line for line in layer_rows)
+    assert sum(line.startswith("layer_norm_") for line in unfolded) == 20
+    assert str(report) == report.table()
+
+
+def test_headline_counts_decisions_not_equations_that_stayed_float32():
+    def fn(w, x, key):
+        noise = jax.random.normal(key, x.shape)  # float32 arithmetic, no decision
+        return jax.nn.logsumexp((x + noise) @ w, axis=-1).mean()
+
+    report = jaxamp.explain(fn, compute_dtype="bf16")(jnp.eye(8), jnp.ones((4, 8)), jax.random.key(0))
+    stayed = [r for r in report.rows if r.full_precision and not r.kept_full_on_purpose]
+    assert stayed  # the random-number arithmetic, not counted
+    kept = [r for r in report.rows if r.kept_full_on_purpose]
+    assert kept and all(r.decided_by == "tail" for r in kept)  # the loss
+    assert report.kept_full_by_rule == len(kept)
+    assert f"{len(kept)} kept in float32 by rule" in str(report).splitlines()[0]
+    assert report.moved_to_half >= 1  # the matmul's operands
