@@ -108,5 +108,7 @@ def as_array(value: Any, aval: Any) -> Any:
     if isinstance(value, jax.Array):
         return value
     if getattr(aval, "weak_type", False):
-        return jnp.asarray(np.asarray(value).item())  # a Python scalar: weakly typed
+        weak = jnp.asarray(np.asarray(value).item())  # from a Python scalar: weakly typed
+        if weak.dtype == aval.dtype:
+            return weak
     return jnp.asarray(value, dtype=aval.dtype)

@@ -362,7 +362,9 @@ def dynamic_scale_tx(
             # values from before it.
             graph = None
             if _nnx.has_nnx_objects((f_args, f_kwargs)):
-                graph = _nnx.GraphCall(evaluate, f_args, {**f_kwargs, "_scaler_state": None})
+                graph = _nnx.GraphCall(
+                    evaluate, f_args, {**f_kwargs, "_scaler_state": None}, owner="jaxamp's loss scaler"
+                )
 
             def attempt(state: DynamicScalerState, module_state: Any = None) -> _Attempt:
                 if graph is None:

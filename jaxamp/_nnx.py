@@ -94,8 +94,10 @@ class GraphCall:
     A `GraphCall` serves one amp call: tracing records what `finish` needs.
     """
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, owner: str = "amp(fn)"):
         from flax import errors, nnx
+
+        self._owner = owner  # how error messages name the caller
 
         self._nnx = nnx
         self._trace_context_error = errors.TraceContextError
@@ -147,7 +149,7 @@ class GraphCall:
             out = self._fn(*args, **kwargs)
         except self._trace_context_error as err:
             raise type(err)(
-                f"{err} -- amp(fn) traces fn, so fn cannot mutate nnx objects that "
+                f"{err} -- {self._owner} traces fn, so fn cannot mutate nnx objects that "
                 "exist outside the trace, such as a module fn closes over or reaches "
                 "through functools.partial or a container that is not a JAX pytree. "
                 "Pass the module (and nnx.Rngs) to the amp'd function as an argument "
@@ -257,7 +259,7 @@ class GraphCall:
                 if not any(path[:k] in shared for k in range(1, len(path)))
             )
             raise ValueError(
-                f"amp(fn): fn returned a new nnx object holding {', '.join(outermost)} of "
+                f"{self._owner}: fn returned a new nnx object holding {', '.join(outermost)} of "
                 "its arguments; amp can return new nnx objects and the argument objects "
                 "themselves, but not new objects that share parts with the arguments. "
                 "Return the argument's parts separately and assemble the new object "
@@ -287,7 +289,7 @@ class GraphCall:
             if paths
         ) or "changed a static attribute or a Variable's metadata"
         return ValueError(
-            f"amp(fn): fn changed the structure of the flax nnx objects passed to it "
+            f"{self._owner}: fn changed the structure of the flax nnx objects passed to it "
             f"({what}). amp runs fn on copies of them inside its trace and carries "
             "back the new values of their existing Variables and array attributes "
             "only. Create such attributes before calling the amp'd function (in "

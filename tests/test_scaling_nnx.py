@@ -134,3 +134,18 @@ def test_filter_false_with_nnx_modules_is_a_type_error_naming_filter():
     grad_fn = jaxamp.dynamic_scale_value_and_grad(loss_fn, filter=False)
     with pytest.raises(TypeError, match="filter=True"):
         grad_fn(Net(nnx.Rngs(0)), *_batch(), dynamic_scaler_state=jaxamp.DynamicScalerState())
+
+
+def test_a_loss_that_adds_a_module_attribute_is_an_error_naming_the_scaler():
+    class Sowing(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            out = self.linear(x)
+            self.sow(nnx.Intermediate, "out", out)
+            return out
+
+    grad_fn = jaxamp.dynamic_scale_value_and_grad(lambda m, x, y: jnp.mean((m(x) - y) ** 2))
+    with pytest.raises(ValueError, match="jaxamp's loss scaler: fn changed the structure"):
+        grad_fn(Sowing(nnx.Rngs(0)), *_batch(), dynamic_scaler_state=jaxamp.DynamicScalerState())
