@@ -145,14 +145,16 @@ class AmpRow:
         """
         if not self.full_precision or self.decided_by == "amp_stop":
             return False
-        cast_up = any(b in _HALF and a == "f32" for b, a in zip(self.dtypes_before, self.dtypes_after))
+        pairs = zip(self.dtypes_before, self.dtypes_after)
+        cast_up = any(b in _HALF and a == "f32" for b, a in pairs)
         pinned = self.decided_by in ("tail", "statistics") or self.decided_by.startswith("scope:")
         return cast_up or pinned
 
     @property
     def moved_to_half(self) -> bool:
         """Whether amp cast a float32 operand of this equation down to 16 or 8 bits."""
-        return any(b == "f32" and a in (*_HALF, *_FLOAT8) for b, a in zip(self.dtypes_before, self.dtypes_after))
+        pairs = zip(self.dtypes_before, self.dtypes_after)
+        return any(b == "f32" and a in (*_HALF, *_FLOAT8) for b, a in pairs)
 
 
 def _row(event: EquationEvent, fp8: bool = False) -> AmpRow:

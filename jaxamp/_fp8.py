@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -38,7 +38,7 @@ from . import _compat
 from ._casting import dtype_of
 from ._dtypes import dtype_short_name, is_castable
 from ._interpreter import HANDLERS, EquationRewrite
-from ._jaxpr import MATMUL_NAMES, bodies
+from ._jaxpr import MATMUL_NAMES, matmuls_in
 from ._rules import PolicyTable, Rule, use_compute_precision
 
 __all__ = [
@@ -48,7 +48,6 @@ __all__ = [
     "as_recipe",
     "contraction_size",
     "formats",
-    "matmuls_in",
     "quantize",
     "with_fp8_matmuls",
 ]
@@ -336,7 +335,9 @@ class Fp8MatmulRule:
         if not self.recipe.keep_last_matmul_bf16:
             return self
         last = None
-        for last in matmuls_in(jaxpr, rewritten_only=True):
+        # Only the bodies amp rewrites (those of primitives with a handler),
+        # not a Pallas kernel's.
+        for last in matmuls_in(jaxpr, enter=lambda eqn: eqn.primitive in HANDLERS):
             pass
         return dataclasses.replace(self, last_matmul=last)
 
@@ -374,26 +375,6 @@ def _equation_flops(eqn: Any) -> int:
     from ._diagnostics import equation_flops
 
     return equation_flops(eqn)
-
-
-def matmuls_in(jaxpr: Any, *, rewritten_only: bool = False) -> Iterator[Any]:
-    """The matmul equations of `jaxpr` in program order, those of nested bodies included.
-
-    A body (a jit'd function, a loop body, a cond's branches in order, a
-    custom rule's primal, a Pallas kernel) is walked where its equation stands.
-
-    Args:
-        jaxpr: an open or closed jaxpr.
-        rewritten_only: enter only the bodies amp rewrites (those of
-            primitives with a handler), not a Pallas kernel's.
-    """
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        if eqn.primitive.name in MATMUL_NAMES:
-            yield eqn
-        if rewritten_only and eqn.primitive not in HANDLERS:
-            continue
-        for body in bodies(eqn):
-            yield from matmuls_in(body, rewritten_only=rewritten_only)
 
 
 def with_fp8_matmuls(table: Mapping[Any, Rule], recipe: Fp8Recipe) -> PolicyTable:

@@ -19,35 +19,19 @@ A program without matmuls has no tail: amp leaves it as its table says.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from . import _compat
-from ._jaxpr import MATMUL_NAMES, bodies
+from ._jaxpr import MATMUL_NAMES, bodies, matmuls_in
 
 __all__ = ["tail_equations"]
 
-_HAS_MATMUL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-
-def _open(jaxpr: Any) -> Any:
-    return getattr(jaxpr, "jaxpr", jaxpr)
-
-
-def _has_matmul(jaxpr: Any) -> bool:
-    try:
-        return _HAS_MATMUL[jaxpr]
-    except (KeyError, TypeError):
-        pass
-    found = any(
-        eqn.primitive.name in MATMUL_NAMES or any(_has_matmul(_open(body)) for body in bodies(eqn))
-        for eqn in jaxpr.eqns
+def _holds_matmul(eqn: Any) -> bool:
+    """Whether `eqn` is a matmul or carries one in a body (a call, a loop...)."""
+    return eqn.primitive.name in MATMUL_NAMES or any(
+        next(matmuls_in(body), None) is not None for body in bodies(eqn)
     )
-    try:
-        _HAS_MATMUL[jaxpr] = found
-    except TypeError:  # not weak-referenceable: not memoised
-        pass
-    return found
 
 
 def tail_equations(jaxpr: Any) -> frozenset[int]:
@@ -60,9 +44,7 @@ def tail_equations(jaxpr: Any) -> frozenset[int]:
         The tail's equation indices; empty when the program has no matmul.
     """
     eqns = jaxpr.eqns
-    matmul = [
-        eqn.primitive.name in MATMUL_NAMES or any(_has_matmul(_open(b)) for b in bodies(eqn)) for eqn in eqns
-    ]
+    matmul = [_holds_matmul(eqn) for eqn in eqns]
     if not any(matmul):
         return frozenset()
     # Backwards: which variables some matmul (eventually) reads.
