@@ -51,8 +51,9 @@ def stochastic_round(x: Any, dtype: Any, key: jax.Array) -> jax.Array:
     The probability is compared with one float32 uniform draw per element
     (multiples of ``2**-23``), which is exact whenever ``(x - lo) / (hi - lo)``
     has at most 23 fractional bits: always for bfloat16, and for float16 down to
-    its smallest subnormal; below that (``|x| < 2**-24``) it is quantised to
-    ``2**-23``. XLA flushes float32 subnormals (``|x| < 2**-126``, bfloat16's
+    its smallest subnormal; below that (``|x| < 2**-24``) it is quantised down
+    to a multiple of ``2**-23`` (so a value far below float16's smallest
+    subnormal rounds to zero). XLA flushes float32 subnormals (``|x| < 2**-126``, bfloat16's
     subnormal range too) to zero on CPU and GPU, so those round as zero does.
 
     Args:
@@ -95,7 +96,12 @@ def stochastic_round(x: Any, dtype: Any, key: jax.Array) -> jax.Array:
     # too. Past the largest finite value `other` is inf and the probability 0:
     # saturation.
     p_other = jnp.abs(x * scale - nearest_s) / jnp.abs(other.astype(_F32) * scale - nearest_s)
-    take_other = jax.random.uniform(key, x.shape, _F32) < p_other
+    # A draw from (0, 1] (multiples of 2**-23) taken when <= p: exact for
+    # probabilities with 23 fractional bits, and never for a probability below
+    # 2**-23. A draw from [0, 1) taken when < p would take the other neighbour
+    # with probability 2**-23 however small p is: a value of 1e-36 would round
+    # up to float16's smallest subnormal, 6e-8, about once in 8 million.
+    take_other = 1.0 - jax.random.uniform(key, x.shape, _F32) <= p_other
     rounded = jnp.where(take_other, other, nearest)
     exact = (nearest32 == x) | ~jnp.isfinite(nearest)
     return jnp.where(exact, nearest, rounded)
