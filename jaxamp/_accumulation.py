@@ -30,7 +30,7 @@ import numpy as np
 
 from . import _compat
 from ._casting import dtype_of
-from ._interpreter import EquationRewrite
+from ._interpreter import EquationRewrite, warn_once
 from ._jaxpr import MATMUL_NAMES
 from ._rules import PolicyTable, Rule, use_compute_precision
 
@@ -69,7 +69,17 @@ def _float32_accumulating_dot(params: dict, out_dtype: Any):
 def _rewrite_equation(compute_dtype, original_dtypes, eqn, *invars, **bind_params):
     operands, params = use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)
     if eqn.primitive is not jax.lax.dot_general_p:
-        return EquationRewrite(None, (), "convolutions accumulate in the compute dtype")
+        name = eqn.primitive.name
+        warn_once(
+            ("float32_gradient_reductions", name),
+            f"amp(..., float32_gradient_reductions=True): {name} still accumulates in "
+            f"{np.dtype(compute_dtype).name}, so its weight gradients are summed across "
+            "devices in that dtype; only dot_general accumulates in float32. Map "
+            f"jax.lax.{name}_p to jaxamp.use_original_precision in amp_policy to run it "
+            "in float32 instead.",
+            UserWarning,
+        )
+        return EquationRewrite(None, (), f"{name} accumulates in the compute dtype")
     if params.get("preferred_element_type") != np.dtype(compute_dtype):
         # Not a floating matmul amp moved (integer operands, or a
         # preferred_element_type of the user's own): run it as the table says.

@@ -74,11 +74,13 @@ def amp(
         policy: a `jaxamp.Policy` or policy string (``"p=f32,c=bf16,o=f32"``):
             compute in its compute dtype and cast floating outputs to its
             output dtype. Cannot be combined with `compute_dtype`.
-        float32_gradient_reductions: matmuls and convolutions that run in the
+        float32_gradient_reductions: matmuls (`dot_general`) that run in the
             compute dtype accumulate in float32 and hand their result on in the
             compute dtype, so that in a data-parallel step the cross-device sum
             of their weight gradients runs in float32, not in float16/bfloat16
             (it doubles those all-reduces' bytes; see docs/distributed.md).
+            Convolutions and grouped matmuls keep accumulating in the compute
+            dtype; amp warns once when it meets one.
 
     Returns:
         The mixed-precision function (or a decorator when `fn` is omitted).

@@ -35,6 +35,7 @@ __all__ = [
     "Handler",
     "interpret",
     "register",
+    "warn_once",
 ]
 
 
@@ -265,7 +266,7 @@ def _run_handler(
         # precision is slower but correct. Errors from rules and from the
         # user's own code inside the body are not caught: they propagate as
         # raised, on every call.
-        _warn_once(
+        warn_once(
             ("internals", eqn.primitive.name),
             f"jaxamp could not rewrite {eqn.primitive.name!r} on JAX {jax.__version__} "
             f"({err}); it runs at original precision (float32 where your program "
@@ -277,7 +278,8 @@ def _run_handler(
 _warned: set[tuple[str, str]] = set()
 
 
-def _warn_once(key: tuple[str, str], message: str, category: type[Warning] = RuntimeWarning) -> None:
+def warn_once(key: tuple[str, str], message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn with `message` the first time `key` is seen in this process."""
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, category, stacklevel=4)
@@ -311,7 +313,7 @@ def _warn_if_moved_back(eqn: Any, choice: RuleChoice, params: dict, before, afte
             f"(amp(fn, amp_policy=jaxamp.default_amp_policy | {{...}})); to keep it at "
             "original precision without this warning, map it to jaxamp.use_original_precision."
         )
-    _warn_once(("amp_default", name), message, UserWarning)
+    warn_once(("amp_default", name), message, UserWarning)
 
 
 def _apply_rule(

@@ -100,3 +100,17 @@ def test_option_must_be_a_bool():
 def test_explain_names_the_float32_accumulation():
     report = jaxamp.explain(_loss, compute_dtype="f16", float32_gradient_reductions=True)(_params(), _batch())
     assert "accumulates in float32" in str(report)
+
+
+def test_a_convolution_is_not_moved_and_amp_says_so_once(fresh_warnings):
+    def conv_loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+        return jnp.mean(y**2)
+
+    w, x = jnp.ones((4, 3, 3, 3)) / 9, jnp.ones((2, 3, 8, 8))
+    loss = jaxamp.amp(conv_loss, compute_dtype="f16", float32_gradient_reductions=True)
+    with pytest.warns(UserWarning, match="conv_general_dilated still accumulates in float16"):
+        jax.make_jaxpr(loss)(w, x)
+    convs = [e for e in iter_eqns(jax.make_jaxpr(loss)(w, x)) if e.primitive.name == "conv_general_dilated"]
+    assert [v.aval.dtype for v in convs[0].invars] == [jnp.float16] * 2
+    assert convs[0].outvars[0].aval.dtype == jnp.float16  # accumulated in float16
