@@ -329,11 +329,15 @@ class AmpReport:
         return summary + "\n" + table
 
 
-_NUMBERED = re.compile(r"(?<=[A-Za-z_/])\d+|(?<=^)\d+")
+_NUMBERED = re.compile(r"(?<=[A-Za-z_.])\d+|(?<=^)\d+")
 
 
 def _fold_scope(scope: str) -> str:
-    """`scope` with its instance numbers as ``*``: ``layers_3/attn`` -> ``layers_*/attn``."""
+    """`scope` with its instance numbers as ``*``: ``layers_3/attn`` -> ``layers_*/attn``.
+
+    Linen names instances ``Dense_3``; nnx module paths (see
+    `jaxamp._nnx.module_scopes`) read ``blocks.3``.
+    """
     return "/".join(_NUMBERED.sub("*", part) for part in scope.split("/"))
 
 

@@ -16,17 +16,21 @@ program has already imported `flax.nnx` (without it no nnx object can exist).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import inspect
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
 from . import _compat
 
-__all__ = ["GraphCall", "has_nnx_objects", "lift"]
+__all__ = ["GraphCall", "has_nnx_objects", "lift", "module_scopes"]
 
 
 def has_nnx_objects(tree: Any) -> bool:
@@ -146,7 +150,8 @@ class GraphCall:
         _, before = _compat.nnx_flatten(copies)
         before_values = [_compat.nnx_raw_value(leaf) for _, leaf in before]
         try:
-            out = self._fn(*args, **kwargs)
+            with module_scopes(copies):
+                out = self._fn(*args, **kwargs)
         except self._trace_context_error as err:
             raise type(err)(
                 f"{err} -- {self._owner} traces fn, so fn cannot mutate nnx objects that "
@@ -320,3 +325,103 @@ def _replace_markers(tree: Any, resolve: Callable[[Any], Any]) -> Any:
     return jax.tree_util.tree_map(
         lambda leaf: resolve(leaf) if _is_marker(leaf) else leaf, tree, is_leaf=_is_marker
     )
+
+
+# --- module paths as named scopes ------------------------------------------------
+#
+# flax Linen runs every module method under `jax.named_scope` (its ``flax_profile``
+# setting), so amp's policy keys and `explain` see ``Block_0/Dense_0``; nnx does
+# not. While amp traces, `module_scopes` gives nnx modules the same: each
+# `__call__` of a module among the call's objects runs under a scope named by
+# its graph path relative to the module that called it (``blocks.0``, then
+# ``attn``), the outermost one by its class name. The classes' `__call__` is
+# wrapped only while some trace needs it (counted, under a lock); which
+# instances get a scope is per context, so threads tracing at once, and calls
+# of the same classes outside amp, see only their own.
+
+_SCOPE_PATHS: contextvars.ContextVar[dict[int, tuple]] = contextvars.ContextVar(
+    "jaxamp_nnx_scope_paths", default={}
+)
+# The innermost scoped module being called: (its id, its graph path).
+_ENCLOSING: contextvars.ContextVar[tuple[int, tuple] | None] = contextvars.ContextVar(
+    "jaxamp_nnx_enclosing", default=None
+)
+_WRAPPED: dict[type, list] = {}  # class -> [its own __call__ or _ABSENT, users]
+_WRAPPED_LOCK = threading.Lock()
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def module_scopes(nodes: tuple) -> Iterator[None]:
+    """nnx modules in `nodes` call ``__call__`` under a `jax.named_scope` of their path."""
+    nnx = sys.modules["flax.nnx"]
+    paths: dict[int, tuple] = {}
+    for node in nodes:
+        for path, value in _compat.nnx_iter_graph(node):
+            if isinstance(value, nnx.Module) and id(value) not in paths:
+                paths[id(value)] = path
+    classes = [
+        cls
+        for cls in {type(value) for node in nodes for _, value in _compat.nnx_iter_graph(node)}
+        if issubclass(cls, nnx.Module) and callable(getattr(cls, "__call__", None))
+    ]
+    if not paths or not classes:
+        yield
+        return
+    _wrap(classes)
+    token = _SCOPE_PATHS.set({**_SCOPE_PATHS.get(), **paths})
+    try:
+        yield
+    finally:
+        _SCOPE_PATHS.reset(token)
+        _unwrap(classes)
+
+
+def _wrap(classes: list[type]) -> None:
+    with _WRAPPED_LOCK:
+        for cls in classes:
+            if cls in _WRAPPED:
+                _WRAPPED[cls][1] += 1
+                continue
+            _WRAPPED[cls] = [cls.__dict__.get("__call__", _ABSENT), 1]
+            cls.__call__ = _scoped(cls.__call__)
+
+
+def _unwrap(classes: list[type]) -> None:
+    with _WRAPPED_LOCK:
+        for cls in classes:
+            entry = _WRAPPED[cls]
+            entry[1] -= 1
+            if entry[1]:
+                continue
+            del _WRAPPED[cls]
+            if entry[0] is _ABSENT:
+                del cls.__call__
+            else:
+                cls.__call__ = entry[0]
+
+
+def _scoped(call: Callable) -> Callable:
+    @functools.wraps(call)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        path = _SCOPE_PATHS.get().get(id(self))
+        enclosing = _ENCLOSING.get()
+        # Not a module of this trace, or a subclass's wrapper already opened its scope.
+        if path is None or (enclosing is not None and enclosing[0] == id(self)):
+            return call(self, *args, **kwargs)
+        token = _ENCLOSING.set((id(self), path))
+        try:
+            with jax.named_scope(_scope_name(self, path, enclosing)):
+                return call(self, *args, **kwargs)
+        finally:
+            _ENCLOSING.reset(token)
+
+    return __call__
+
+
+def _scope_name(module: Any, path: tuple, enclosing: tuple[int, tuple] | None) -> str:
+    if not path:
+        return type(module).__name__
+    outer = () if enclosing is None else enclosing[1]
+    relative = path[len(outer) :] if path[: len(outer)] == outer else path
+    return ".".join(str(key) for key in relative)
