@@ -12,7 +12,9 @@ float16 train step is compiled
   `jaxamp.dynamic_scale_value_and_grad`: the scaler's decision must cost at
   most one scalar all-reduce (none under jit, where the arrays are global);
 * with and without ``amp(..., float32_gradient_reductions=True)``: the
-  all-reduces' operand dtypes and bytes.
+  all-reduces' operand dtypes and bytes;
+* in fp8 mode against bf16 mode (no scaler), under `jit` over an Explicit and
+  an Auto mesh and in `shard_map`: what the float8 scales' amaxes add.
 
 Each row lists the all-reduces of the compiled program with their operands'
 types, their count and their bytes.
@@ -33,10 +35,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxamp
 
-__all__ = ["all_reduces", "measure", "main"]
+__all__ = ["all_reduces", "measure", "measure_fp8", "main"]
 
 D, H, OUT, BATCH, DEVICES = 256, 1024, 256, 64, 4
-_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
+_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 
 
 def all_reduces(hlo: str) -> list[tuple[str, int]]:
@@ -62,8 +64,8 @@ def _params():
     return {"w1": jax.random.normal(k1, (D, H)) / np.sqrt(D), "w2": jax.random.normal(k2, (H, OUT)) / np.sqrt(H)}
 
 
-def _step(mode: str, scaled: bool, float32_reductions: bool, mesh):
-    loss = jaxamp.amp(_loss, compute_dtype="f16", float32_gradient_reductions=float32_reductions)
+def _step(mode: str, scaled: bool, float32_reductions: bool, mesh, compute_dtype="f16"):
+    loss = jaxamp.amp(_loss, compute_dtype=compute_dtype, float32_gradient_reductions=float32_reductions)
     if scaled:
         grad_fn = jaxamp.dynamic_scale_value_and_grad(loss, filter=False)
 
@@ -110,6 +112,28 @@ def measure() -> list[dict]:
     return rows
 
 
+def measure_fp8() -> list[dict]:
+    """One row per (mode, compute dtype): the compiled data-parallel step's all-reduces."""
+    rows = []
+    for mode, axis_type in (("jit", AxisType.Explicit), ("jit", AxisType.Auto), ("shard_map", AxisType.Auto)):
+        mesh = jax.make_mesh((DEVICES,), ("dp",), axis_types=(axis_type,), devices=jax.devices()[:DEVICES])
+        with jax.set_mesh(mesh):
+            params = jax.device_put(_params(), NamedSharding(mesh, P()))
+            x = jax.device_put(jnp.ones((BATCH, D)), NamedSharding(mesh, P("dp")))
+            state = jaxamp.DynamicScalerState()
+            for compute_dtype in ("bf16", "fp8"):
+                step = _step(mode, False, False, mesh, compute_dtype)
+                found = all_reduces(step.lower(params, x, state).compile().as_text())
+                rows.append({
+                    "mode": f"{mode} ({axis_type.name})",
+                    "compute dtype": compute_dtype,
+                    "all-reduces": len(found),
+                    "bytes": sum(size for _, size in found),
+                    "operands": "; ".join(types for types, _ in found),
+                })  # fmt: skip
+    return rows
+
+
 def main() -> list[dict]:
     rows = measure()
     print(f"JAX {jax.__version__}, {DEVICES} devices, f16 MLP {D}x{H}x{OUT}, batch {BATCH}")
@@ -120,7 +144,12 @@ def main() -> list[dict]:
             f"| {r['mode']} | {r['loss scaler']} | {r['float32_gradient_reductions']} | "
             f"{r['all-reduces']} | {r['bytes']:,} | {r['operands']} |"
         )
-    return rows
+    fp8_rows = measure_fp8()
+    print("\n| mode | compute dtype | all-reduces | bytes | operands |")
+    print("|---|---|---|---|---|")
+    for r in fp8_rows:
+        print(f"| {r['mode']} | {r['compute dtype']} | {r['all-reduces']} | {r['bytes']:,} | {r['operands']} |")
+    return rows + fp8_rows
 
 
 if __name__ == "__main__":

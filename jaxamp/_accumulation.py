@@ -60,7 +60,7 @@ def _float32_accumulating_dot(params: dict, out_dtype: Any):
 
     def backward(residuals, g):
         lhs, rhs = residuals
-        return _compat.dot_general_cotangents(g, lhs, rhs, params)
+        return _compat.matmul_cotangents(jax.lax.dot_general_p, g, lhs, rhs, (), params)
 
     dot.defvjp(forward, backward)
     return dot

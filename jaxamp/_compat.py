@@ -57,7 +57,6 @@ __all__ = [
     "custom_jvp_subfuns",
     "custom_vjp_call_p",
     "custom_vjp_subfuns",
-    "dot_general_cotangents",
     "eager_trace_context",
     "eqn_scopes",
     "eqn_source",
@@ -70,6 +69,7 @@ __all__ = [
     "lax_primitives_by_name",
     "legacy_context_mesh",
     "manual_axes",
+    "matmul_cotangents",
     "nnx_flatten",
     "nnx_is_object",
     "nnx_iter_graph",
@@ -675,31 +675,35 @@ def legacy_context_mesh() -> Any:
     return mesh
 
 
-# --- float32 accumulation (jaxamp/_accumulation.py) ---
-# JAX's own transposes of dot_general, called with the operands amp holds (in
-# the compute dtype) and a float32 accumulation: the same dimension numbers and
-# output shardings as JAX's autodiff, with both operands in half precision.
+# --- matmul cotangents (jaxamp/_accumulation.py, jaxamp/_fp8.py) ---
+# JAX's own transpose rule of a matmul, called with the operands amp holds (half
+# precision, or float8) and the accumulation dtype amp wants: the same dimension
+# numbers, output shardings and varying axes as JAX's autodiff would give, at
+# the operand types of this call (nothing traced elsewhere, nothing cached).
 
 
 @_internal
-def dot_general_cotangents(g: Any, lhs: Any, rhs: Any, params: dict) -> tuple[Any, Any]:
-    """``(d_lhs, d_rhs)`` of ``dot_general(lhs, rhs, **params)`` for cotangent `g`.
+def matmul_cotangents(
+    primitive: Any, g: Any, lhs: Any, rhs: Any, rest: Sequence[Any], params: dict, dtype: Any = None
+) -> tuple[Any, Any]:
+    """``(d_lhs, d_rhs)`` of ``primitive.bind(lhs, rhs, *rest, **params)`` for cotangent `g`.
 
-    Each is JAX's transpose of the matmul (`lax._dot_general_transpose_lhs` /
-    ``_rhs``) bound with `params` (its ``preferred_element_type`` is the
-    gradient matmuls' accumulation dtype), cast to its operand's dtype.
+    `primitive`'s registered transpose rule (``dot_general``,
+    ``conv_general_dilated``, ``ragged_dot_general``) evaluated on the given
+    operands; ``params["preferred_element_type"]`` is the gradient matmuls'
+    accumulation dtype. Each cotangent is returned in `dtype`, or in its
+    operand's dtype when `dtype` is None (the rule converts at the end).
     """
     from jax._src.interpreters import ad as _ad
-    from jax._src.lax import lax as _lax
 
-    keys = ("dimension_numbers", "precision", "preferred_element_type", "out_sharding")
-    kwargs = {key: params.get(key) for key in keys}
-    d_lhs = _lax._dot_general_transpose_lhs(
-        g, _ad.UndefinedPrimal(jax.typeof(lhs)), rhs, **kwargs
-    )
-    d_rhs = _lax._dot_general_transpose_rhs(
-        g, lhs, _ad.UndefinedPrimal(jax.typeof(rhs)), **kwargs
-    )
+    rule = _ad.primitive_transposes[primitive]
+
+    def undefined(x: Any) -> Any:
+        aval = jax.typeof(x)
+        return _ad.UndefinedPrimal(aval if dtype is None else with_dtype(aval, dtype))
+
+    d_lhs = rule(g, undefined(lhs), rhs, *rest, **params)[0]
+    d_rhs = rule(g, lhs, undefined(rhs), *rest, **params)[1]
     return d_lhs, d_rhs
 
 

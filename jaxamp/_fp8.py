@@ -67,14 +67,6 @@ _F32 = np.dtype(jnp.float32)
 # its largest values, and its 2 mantissa bits cost more than e4m3's 3.
 _COTANGENT_FORMAT = {"conv_general_dilated": E4M3}
 
-# Primitives JAX's transpose of a matmul may wrap around the transposed matmul
-# (`_transpose_programs` checks for nothing else): they move float8 values
-# without converting them.
-_LAYOUT_PRIMITIVES = frozenset(
-    {"reshape", "transpose", "rev", "broadcast_in_dim", "squeeze", "expand_dims"}
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
     """The choices of amp's float8 mode: pass as ``amp(fn, compute_dtype=Fp8Recipe(...))``.
@@ -179,67 +171,6 @@ def quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
     return lax.convert_element_type(q, fmt), scale
 
 
-def _params_key(params: Mapping[str, Any]) -> Any:
-    try:
-        key = tuple(sorted(params.items()))
-        hash(key)
-        return key
-    except TypeError:  # an unhashable parameter: trace the transposes uncached
-        return None
-
-
-@functools.lru_cache(maxsize=512)
-def _cached_transposes(primitive, params_key, lhs_shape, rhs_shape, rest_avals):
-    return _trace_transposes(primitive, dict(params_key), lhs_shape, rhs_shape, rest_avals)
-
-
-def _transpose_programs(primitive, params, lhs_shape, rhs_shape, rest_avals):
-    """JAX's own transposes of a matmul, traced with float32 stand-ins.
-
-    Returns:
-        ``(dgrad, wgrad)``, closed jaxprs of ``dgrad(rhs, g, *rest) -> d_lhs``
-        and ``wgrad(lhs, g, *rest) -> d_rhs``. Evaluated on float8 operands
-        they run the transposed matmul in float8, since (checked here) they
-        only reshape, transpose or reverse their inputs around it: the
-        dimension numbers, paddings and feature groups of every matmul's
-        gradient stay JAX's.
-
-    Raises:
-        NotImplementedError: JAX's transpose binds anything else (a JAX
-            release that changed it), which could convert the float8 operands.
-    """
-    key = _params_key(params)
-    if key is None:
-        return _trace_transposes(primitive, params, lhs_shape, rhs_shape, rest_avals)
-    return _cached_transposes(primitive, key, lhs_shape, rhs_shape, rest_avals)
-
-
-def _trace_transposes(primitive, params, lhs_shape, rhs_shape, rest_avals):
-    lhs = jax.ShapeDtypeStruct(lhs_shape, _F32)
-    rhs = jax.ShapeDtypeStruct(rhs_shape, _F32)
-    rest = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in rest_avals]
-    matmul = functools.partial(primitive.bind, **params)
-    g = jax.eval_shape(matmul, lhs, rhs, *rest)
-
-    def dgrad(r, g, *rest):
-        return jax.linear_transpose(lambda l: matmul(l, r, *rest), lhs)(g)[0]
-
-    def wgrad(l, g, *rest):
-        return jax.linear_transpose(lambda r: matmul(l, r, *rest), rhs)(g)[0]
-
-    programs = jax.make_jaxpr(dgrad)(rhs, g, *rest), jax.make_jaxpr(wgrad)(lhs, g, *rest)
-    for program in programs:
-        other = {e.primitive.name for e in program.jaxpr.eqns} - _LAYOUT_PRIMITIVES - {primitive.name}
-        if other:
-            # A converting op would silently run the gradient matmul in float32.
-            raise NotImplementedError(
-                f"jaxamp's float8 backward reuses JAX's transpose of {primitive.name}, "
-                f"which on JAX {jax.__version__} also binds {sorted(other)}; jaxamp only "
-                "knows transposes that reshape, transpose or reverse. Please report this."
-            )
-    return programs
-
-
 def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
     """``f(lhs, rhs, *rest)``: the matmul in float8 with current scaling (see the module doc).
 
@@ -264,12 +195,11 @@ def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
 
     def backward(residuals, g):
         q_lhs, s_lhs, q_rhs, s_rhs, rest = residuals
-        dgrad, wgrad = _transpose_programs(
-            primitive, params, q_lhs.shape, q_rhs.shape, tuple((r.shape, r.dtype) for r in rest)
-        )
         q_g, s_g = quantize(g, cotangent_format)
-        (d_lhs,) = _compat.jaxpr_as_fun(dgrad)(q_rhs, q_g, *rest)
-        (d_rhs,) = _compat.jaxpr_as_fun(wgrad)(q_lhs, q_g, *rest)
+        # JAX's own transposes, on the float8 operands as they are typed here
+        # (sharding, varying axes): the gradient matmuls' dimension numbers,
+        # paddings, feature groups and output shardings stay JAX's.
+        d_lhs, d_rhs = _compat.matmul_cotangents(primitive, q_g, q_lhs, q_rhs, rest, params, _F32)
         # Integer operands (a ragged dot's group sizes) get no cotangent.
         return (
             (d_lhs * (s_g * s_rhs)).astype(lhs_dtype),
