@@ -24,7 +24,6 @@ one when asked) run in bfloat16, with the reason recorded for `jaxamp.explain`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
-import jaxamp
 from jaxpr_walk import float_operand_dtypes, iter_eqns, matmul_operand_dtypes
 from test_sharding_matrix import LAYOUTS, _loss_for, _mesh, _problem, _shardings
+
+import jaxamp
 
 FP8 = jaxamp.Fp8Recipe(min_contraction=1)
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
