@@ -153,20 +153,25 @@ def quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
 
     Returns:
         ``(q, scale)``: `q` in `fmt` with ``q * scale ≈ x``, and the float32
-        scalar ``scale = amax(|x|) / max(fmt)``. A zero tensor (or one whose
-        scale underflows float32) gets scale 1. A non-finite amax gives a
-        non-finite scale, so the matmul's result is non-finite too: a loss
-        scaler or `jaxamp.skip_nonfinite_updates` sees the step as bad, where
-        saturating an inf to the format's maximum would hide it.
+        scalar ``scale = amax / max(fmt)``, amax the largest finite ``|x|``. A
+        tensor with no nonzero finite entry (or whose scale underflows
+        float32) gets scale 1. Non-finite entries are not clamped: they stay
+        inf or NaN in `q` (e4m3, which has no inf, holds NaN), so only the
+        rows and columns of the matmul's result they touch go non-finite, as
+        in bfloat16, and a loss scaler or `jaxamp.skip_nonfinite_updates`
+        still sees the step as bad; saturating an inf to the format's maximum
+        would hide it, and a scale taken from an infinite amax would turn every
+        finite entry into 0 and the whole result into NaN.
     """
     fmax = np.float32(jnp.finfo(fmt).max)
     x32 = lax.convert_element_type(x, _F32)
     # lax, not jnp: each jnp helper would add a nested jit to every matmul.
-    amax = lax.reduce_max(lax.abs(x32), tuple(range(x32.ndim)))  # -inf if empty
+    finite = lax.is_finite(x32)
+    magnitude = lax.select(finite, lax.abs(x32), lax.full_like(x32, 0.0))
+    amax = lax.reduce_max(magnitude, tuple(range(x32.ndim)))  # -inf if empty
     scale = amax / fmax
-    # `scale > 0` is false for a NaN scale too: x then keeps its NaNs.
     scale = lax.select(scale > 0, scale, np.float32(1.0))
-    q = lax.clamp(-fmax, x32 / scale, fmax)
+    q = lax.select(finite, lax.clamp(-fmax, x32 / scale, fmax), x32)
     return lax.convert_element_type(q, fmt), scale
 
 

@@ -203,6 +203,23 @@ def test_quantize_edge_cases():
 
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_a_nonfinite_entry_poisons_only_its_row_as_in_bf16(bad):
+    w = jax.random.normal(jax.random.PRNGKey(0), (32, 16))
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 32)).at[3, 5].set(bad)
+    q, scale = quantize(x, jnp.float8_e4m3fn)
+    assert bool(jnp.isfinite(scale)) and float(scale) == pytest.approx(float(jnp.max(jnp.abs(x.at[3, 5].set(0)))) / 448)
+    for compute_dtype in ("bf16", "fp8"):
+        out = amp(lambda x, w: x @ w, compute_dtype=compute_dtype)(x, w)
+        rows_hit = np.flatnonzero(~np.all(np.isfinite(np.asarray(out, np.float32)), axis=1))
+        assert rows_hit.tolist() == [3], compute_dtype
+    # The other rows keep fp8's accuracy (within 15% of float32, relative norm).
+    others = np.delete(np.arange(8), 3)
+    out = np.asarray(amp(lambda x, w: x @ w, compute_dtype="fp8")(x, w), np.float32)[others]
+    want = np.asarray(x @ w)[others]
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 0.15
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 def test_nonfinite_input_makes_loss_and_gradients_nonfinite(bad):
     loss, (model, x) = mlp()
     x = x.at[3, 5].set(bad)
