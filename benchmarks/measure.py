@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from jaxamp import _compat
-from jaxamp._diagnostics import equation_flops
+from jaxamp._jaxpr import equation_flops
 
 __all__ = [
     "Residuals",

@@ -13,14 +13,14 @@ __all__ = [
 ]
 
 # Policies
-from ._policy import Policy, cast_to_full, cast_to_half, get_policy
+from .policies._policy import Policy, cast_to_full, cast_to_half, get_policy
 
 __all__ += ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
 
 # The transform
 from ._amp import amp
-from ._fp8 import Fp8Recipe
-from ._rules import (
+from .fp8._recipe import Fp8Recipe
+from .transform._rules import (
     default_amp_policy,
     use_compute_precision,
     use_current_precision,
@@ -30,7 +30,7 @@ from ._rules import (
     use_precision,
     use_widest_precision,
 )
-from ._scopes import amp_stop
+from .transform._scopes import amp_stop
 
 __all__ += [
     "Fp8Recipe",
@@ -47,16 +47,16 @@ __all__ += [
 ]
 
 # Loss scaling
-from ._dynamic_scaler import (
+from .scaling._dynamic_scaler import (
     DynamicLossScaler,
     DynamicScalerState,
     dynamic_scale_grad,
     dynamic_scale_tx,
     dynamic_scale_value_and_grad,
 )
-from ._finite import all_finite, select_tree
-from ._grad_scaler import GradScaler
-from ._loss_scale import (
+from .scaling._finite import all_finite, select_tree
+from .scaling._grad_scaler import GradScaler
+from .scaling._loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
@@ -64,7 +64,11 @@ from ._loss_scale import (
     register_empty_pytree,
     warn_if_not_floating,
 )
-from ._optax import SkipNonFiniteState, apply_if_finite_updates, skip_nonfinite_updates
+from .scaling._optax import (
+    SkipNonFiniteState,
+    apply_if_finite_updates,
+    skip_nonfinite_updates,
+)
 
 __all__ += [
     "DynamicLossScale",
@@ -87,7 +91,13 @@ __all__ += [
 ]
 
 # Diagnostics
-from ._diagnostics import AmpReport, AmpRow, NonFiniteReport, explain, find_nonfinite
+from .diagnostics._explain import (
+    AmpReport,
+    AmpRow,
+    NonFiniteReport,
+    explain,
+    find_nonfinite,
+)
 
 __all__ += ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
 

@@ -82,7 +82,7 @@ def parse_dtype(value: str) -> np.dtype:
 
 
 # Names diagnostics show for the float8 formats of amp's fp8 mode. Not parsed:
-# no compute dtype or policy is float8 (fp8 mode is named "fp8", see `jaxamp._fp8`).
+# no compute dtype or policy is float8 (fp8 mode is named "fp8", see `jaxamp.fp8._matmul`).
 _FLOAT8_SHORT_NAMES: dict[np.dtype, str] = {
     np.dtype(jnp.float8_e4m3fn): "e4m3",
     np.dtype(jnp.float8_e5m2): "e5m2",

@@ -36,7 +36,7 @@ from . import _compat
 from ._casting import as_array
 
 if TYPE_CHECKING:
-    from ._amp import AmpOptions
+    from ._options import AmpOptions
 
 __all__ = ["EagerCache"]
 

@@ -1,22 +1,24 @@
-"""Walking jaxprs: the matmul primitives and the bodies an equation carries.
+"""Walking jaxprs: the matmul primitives, the bodies an equation carries, matmul FLOPs.
 
-Shared by the transform's analyses (`jaxamp._tail`), fp8 mode and the
-diagnostics, below all of them so none imports another to walk a program.
+Shared by the program analyses (`jaxamp.analyses`), the transform's rules, fp8
+mode and the diagnostics, below all of them so none imports another to walk a
+program.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _compat
-from ._rules import _COMPUTE_PRIMITIVES
 
-__all__ = ["MATMUL_NAMES", "bodies", "matmuls_in"]
+__all__ = ["COMPUTE_PRIMITIVES", "MATMUL_NAMES", "bodies", "equation_flops", "matmuls_in"]
 
 # The primitives amp runs in the compute dtype: matmuls, convolutions and the
 # grouped matmul of mixture-of-experts layers.
-MATMUL_NAMES = frozenset(_COMPUTE_PRIMITIVES)
+COMPUTE_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+MATMUL_NAMES = frozenset(COMPUTE_PRIMITIVES)
 
 
 def bodies(eqn: Any) -> Iterator[Any]:
@@ -44,3 +46,35 @@ def matmuls_in(jaxpr: Any, *, enter: Callable[[Any], bool] | None = None) -> Ite
             continue
         for body in bodies(eqn):
             yield from matmuls_in(body, enter=enter)
+
+
+def equation_flops(eqn: Any) -> int:
+    """FLOPs (2 x multiply-adds) of a matmul or convolution, from its shapes; else 0.
+
+    A dot_general costs ``2 * batch * M * N * K``. A ragged_dot_general (the
+    grouped matmul of `jax.lax.ragged_dot`) costs the same, as if its groups
+    covered every row: each lhs element meets one group's ``N`` rhs columns, so
+    ``ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes)`` costs ``2 * m * k * n``.
+    A convolution costs ``2 * output size * kernel window * input features per
+    group``.
+    """
+    name = eqn.primitive.name
+    if name in ("dot_general", "ragged_dot_general"):
+        if name == "dot_general":
+            dimension_numbers, rhs_group = eqn.params["dimension_numbers"], ()
+        else:
+            ragged = eqn.params["ragged_dot_dimension_numbers"]
+            dimension_numbers, rhs_group = ragged.dot_dimension_numbers, ragged.rhs_group_dimensions
+        (_, rhs_contract), (_, rhs_batch) = dimension_numbers
+        lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+        rhs_free = [
+            d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch, *rhs_group)
+        ]
+        return 2 * math.prod(lhs) * math.prod(rhs_free)
+    if name == "conv_general_dilated":
+        out = eqn.outvars[0].aval.shape
+        kernel = eqn.invars[1].aval.shape
+        out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+        # Each output element is a dot over (input features / groups) x window.
+        return 2 * math.prod(out) * math.prod(kernel) // kernel[out_feature_dim]
+    return 0

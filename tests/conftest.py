@@ -17,6 +17,6 @@ import pytest  # noqa: E402  (after the XLA flag above)
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """amp warns once per primitive per process: each test hears its own."""
-    from jaxamp import _interpreter
+    from jaxamp.transform import _interpreter
 
     monkeypatch.setattr(_interpreter, "_warned", set())

@@ -1,6 +1,6 @@
 """The default policy table: every primitive classified, every name resolved.
 
-The table lists primitives by name; `jaxamp._rules` resolves the names against
+The table lists primitives by name; `jaxamp.transform._rules` resolves the names against
 the running JAX. A name that resolves to nothing, or a primitive of JAX's lax
 package with no entry, would silently run at original precision through
 ``amp_default``: both fail here. Then the primitives whose classification is
@@ -21,7 +21,8 @@ from jax.experimental import pallas as pl
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxamp
-from jaxamp import _compat, _interpreter, _rules
+from jaxamp import _compat
+from jaxamp.transform import _interpreter, _rules
 from jaxpr_walk import assert_all_matmuls_in, float_operand_dtypes, iter_eqns
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)

@@ -8,7 +8,7 @@ import pytest
 from jaxpr_walk import assert_all_matmuls_in
 
 import jaxamp
-from jaxamp._amp import AmpOptions
+from jaxamp._options import AmpOptions
 
 
 def _mlp(params, x, scale=1.0):

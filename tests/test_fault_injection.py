@@ -24,7 +24,7 @@ import pytest
 from hypothesis import example, given, settings
 
 import jaxamp
-from jaxamp._scale_schedule import next_scale
+from jaxamp.scaling._scale_schedule import next_scale
 
 STEPS = 240
 POISON_RATE = 0.08

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp._finite import checked_scalar, first_finite, is_inexact_leaf
+from jaxamp.scaling._finite import checked_scalar, first_finite, is_inexact_leaf
 
 
 class _Net(eqx.Module):

@@ -18,7 +18,7 @@ from jax import lax
 
 import jaxamp
 from jaxamp import Fp8Recipe, amp
-from jaxamp._fp8 import quantize
+from jaxamp.fp8._matmul import quantize
 from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 from small_models import SmallCNN, cross_entropy
 
@@ -144,7 +144,7 @@ def test_every_matmul_in_float8_forward_and_backward(make):
     # Each forward matmul is recomputed or reused and has two gradient matmuls.
     assert len(backward) >= 3 * len(forward)
     # Dot gradients take the cotangent in e5m2; convolution gradients need one
-    # dtype on both sides and run in e4m3 (see jaxamp._fp8._COTANGENT_FORMAT).
+    # dtype on both sides and run in e4m3 (see jaxamp.fp8._matmul._COTANGENT_FORMAT).
     for name, dts in backward:
         if E5M2 in dts:
             assert name != "conv_general_dilated" and sorted(dts) == sorted((E5M2, E4M3)), (name, dts)

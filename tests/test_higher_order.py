@@ -232,7 +232,8 @@ def test_closed_call_body_is_rewritten():
 
 
 def test_handler_broken_by_a_jax_upgrade_falls_back_to_original_precision(monkeypatch):
-    from jaxamp import _compat, _interpreter
+    from jaxamp import _compat
+    from jaxamp.transform import _interpreter
 
     def broken(ctx, eqn, invals):
         # What a `_compat` accessor raises when an internal it reads has moved.

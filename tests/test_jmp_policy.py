@@ -21,7 +21,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
-from jaxamp import _policy as jmp  # jmp 0.0.4 policy_test.py, only this import changed
+from jaxamp.policies import _policy as jmp  # jmp 0.0.4 policy_test.py, only this import changed
 import numpy as np
 
 HALF_DTYPES = (np.float16, jnp.float16, jnp.bfloat16)

@@ -51,7 +51,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
-from jaxamp import _compat, _interpreter
+from jaxamp import _compat
+from jaxamp.transform import _interpreter
 from jaxpr_walk import assert_all_matmuls_in, float_operand_dtypes, iter_eqns
 
 F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)

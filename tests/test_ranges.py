@@ -1,4 +1,4 @@
-"""The range facts: exp of x - max(x) runs in float16 (jaxamp/_ranges.py)."""
+"""The range facts: exp of x - max(x) runs in float16 (jaxamp/analyses/_ranges.py)."""
 
 import hypothesis.extra.numpy as hnp
 import jax

@@ -1,4 +1,4 @@
-"""Norm layers hand their result on in the compute dtype (jaxamp/_regions.py)."""
+"""Norm layers hand their result on in the compute dtype (jaxamp/analyses/_regions.py)."""
 
 import equinox as eqx
 import jax

@@ -22,7 +22,13 @@ import optax
 
 from .._dtypes import array_part
 from ._checks import as_optimizer
-from ._rounding import STORAGE_DTYPES, check_rounding, leaf_keys, round_to, storage_dtype
+from ._rounding import (
+    STORAGE_DTYPES,
+    check_rounding,
+    leaf_keys,
+    round_to,
+    storage_dtype,
+)
 
 __all__ = ["CastStateState", "cast_state"]
 

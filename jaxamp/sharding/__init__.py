@@ -5,7 +5,12 @@ All of them work with the mesh made current by ``jax.set_mesh(mesh)`` and with t
 legacy ``with mesh:`` context.
 """
 
-from ._mesh import create_mesh, get_jax_mesh, get_names_from_partition_spec, names_in_current_mesh
+from ._mesh import (
+    create_mesh,
+    get_jax_mesh,
+    get_names_from_partition_spec,
+    names_in_current_mesh,
+)
 from ._partition import match_partition_rules, with_sharding_constraint
 from ._shard_gather import make_shard_and_gather_fns
 from ._tree import (

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compat
-from ._jaxpr import MATMUL_NAMES, bodies, matmuls_in
+from .. import _compat
+from .._jaxpr import MATMUL_NAMES, bodies, matmuls_in
 
 __all__ = ["tail_equations"]
 

@@ -18,9 +18,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
-from ._casting import cast_value, dtype_of, saturating_cast
-from ._dtypes import canonical_compute_dtype, is_castable
+from .. import _compat
+from .._casting import cast_value, dtype_of, saturating_cast
+from .._dtypes import canonical_compute_dtype, is_castable
+from .._jaxpr import COMPUTE_PRIMITIVES
 
 __all__ = [
     "PolicyTable",
@@ -80,7 +81,7 @@ def use_normalisation_precision(compute_dtype, original_dtypes, *invars, **bind_
     as `use_original_precision`, and where an activation entered the layer in
     `compute_dtype`, the layer's results of the activation's shape leave it in
     `compute_dtype`, as flax's ``LayerNorm(dtype=jnp.bfloat16)`` returns
-    bfloat16 after float32 statistics (see `jaxamp._regions`). A float32
+    bfloat16 after float32 statistics (see `jaxamp.analyses._regions`). A float32
     result would otherwise make every following elementwise op (a ReLU, a
     residual add) run, and save its input for the backward pass, in float32.
     """
@@ -178,7 +179,6 @@ def use_full_range_precision(compute_dtype, original_dtypes, *invars, **bind_par
 
 # PyTorch autocast's "lower precision" list: matmuls and convolutions.
 # ragged_dot_general is the grouped matmul of mixture-of-experts layers.
-_COMPUTE_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
 # From PyTorch autocast's float32 list, in lax terms: ops whose accuracy suffers
 # in half precision (sums lose bits, log near 1 loses digits).
@@ -298,7 +298,7 @@ _ORIGINAL_PRECISION_PRIMITIVES = (
 
 # Each name list with its rule. A name belongs to one list (tests check).
 _RULES_BY_NAME_LIST = (
-    (_COMPUTE_PRIMITIVES, use_compute_precision),
+    (COMPUTE_PRIMITIVES, use_compute_precision),
     (_FULL_PRECISION_PRIMITIVES, use_original_precision),
     (_RANGE_LIMITED_PRIMITIVES, use_full_range_precision),
     (_CURRENT_PRECISION_PRIMITIVES, use_current_precision),
@@ -454,13 +454,13 @@ default_amp_policy: PolicyTable = PolicyTable(
     {
         **_resolve_primitive_names(_default_table()),
         # Centring, squaring and normalising by moments, whichever library's
-        # norm layer wrote them (see `jaxamp._statistics`).
+        # norm layer wrote them (see `jaxamp.analyses._statistics`).
         "amp_statistics": use_original_precision,
         # exp(x - max(x)) and the like: results in (0, 1], safe in float16
-        # (see `jaxamp._ranges`).
+        # (see `jaxamp.analyses._ranges`).
         "amp_range": use_current_precision,
         # What runs after the program's last matmul (the loss): float32, as
-        # PyTorch's autocast runs its loss functions (see `jaxamp._tail`).
+        # PyTorch's autocast runs its loss functions (see `jaxamp.analyses._tail`).
         "amp_tail": use_original_precision,
     }
 )

@@ -18,14 +18,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _compat
-from ._casting import dtype_of, shared_casts
-from ._dtypes import is_castable
-from ._regions import Regions
+from .. import _compat
+from .._casting import dtype_of, shared_casts
+from .._dtypes import is_castable
+from ..analyses._regions import Regions
+from ..analyses._statistics import plan_statistics
+from ..analyses._tail import tail_equations
 from ._rules import PolicyTable, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
-from ._statistics import plan_statistics
-from ._tail import tail_equations
 
 __all__ = [
     "HANDLERS",
@@ -78,7 +78,7 @@ class EquationRewrite(NamedTuple):
     returning one of these; amp asks it before calling the rule. It is for a
     rule that must replace the equation, not only cast its operands (fp8 mode
     quantises both operands, runs the matmul in float8 and rescales, see
-    `jaxamp._fp8`). A rule object may also define ``for_program(jaxpr) -> rule``:
+    `jaxamp.fp8._matmul`). A rule object may also define ``for_program(jaxpr) -> rule``:
     amp calls it once per amp'd program, with the program's jaxpr, and uses
     the rule it returns for that program.
 
@@ -116,9 +116,9 @@ class AmpContext:
             jaxpr, outermost first, for attributing equations to source lines.
         statistics_inputs: ``(body, arguments)`` when the next jaxpr to be
             interpreted is the body of a call: what `plan_statistics` plans
-            it with at this call site (see `jaxamp._statistics`).
+            it with at this call site (see `jaxamp.analyses._statistics`).
         tail: the jaxpr is the body of an equation in the program's tail (see
-            `jaxamp._tail`): all of it runs by the ``"amp_tail"`` entry.
+            `jaxamp.analyses._tail`): all of it runs by the ``"amp_tail"`` entry.
     """
 
     compute_dtype: np.dtype

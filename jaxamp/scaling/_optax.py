@@ -16,8 +16,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._dtypes import array_part
-from ._finite import AxisName, check_axis_name, local_all_finite, on_every_device, select_tree
+from .._dtypes import array_part
+from ._finite import (
+    AxisName,
+    check_axis_name,
+    local_all_finite,
+    on_every_device,
+    select_tree,
+)
 
 __all__ = ["SkipNonFiniteState", "apply_if_finite_updates", "skip_nonfinite_updates"]
 

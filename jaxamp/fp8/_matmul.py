@@ -33,26 +33,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _compat
-from ._casting import dtype_of
-from ._dtypes import dtype_short_name, is_castable
-from ._interpreter import HANDLERS, EquationRewrite
-from ._jaxpr import MATMUL_NAMES, matmuls_in
-from ._rules import PolicyTable, Rule, use_compute_precision
+from .. import _compat
+from .._casting import dtype_of
+from .._dtypes import dtype_short_name, is_castable
+from .._jaxpr import MATMUL_NAMES, equation_flops, matmuls_in
+from ..transform._interpreter import HANDLERS, EquationRewrite
+from ..transform._rules import PolicyTable, Rule, use_compute_precision
+from ._recipe import Fp8Recipe
 
 __all__ = [
-    "FP8_NAMES",
     "Fp8MatmulRule",
-    "Fp8Recipe",
-    "as_recipe",
     "contraction_size",
     "formats",
     "quantize",
     "with_fp8_matmuls",
 ]
-
-FP8_NAMES = ("fp8", "float8")
-"""The `compute_dtype` names of fp8 mode (case and surrounding spaces ignored)."""
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -65,81 +60,6 @@ _F32 = np.dtype(jnp.float32)
 # a scale taken from the live cotangent, e5m2's extra range is not needed for
 # its largest values, and its 2 mantissa bits cost more than e4m3's 3.
 _COTANGENT_FORMAT = {"conv_general_dilated": E4M3}
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Recipe:
-    """The choices of amp's float8 mode: pass as ``amp(fn, compute_dtype=Fp8Recipe(...))``.
-
-    ``compute_dtype="fp8"`` (or ``"float8"``) is ``Fp8Recipe()``. Scaling is
-    always "current": each operand's scale comes from its own amax in the same
-    step, so there is no scaling state to carry between steps.
-
-    Attributes:
-        min_flops: matmuls of fewer FLOPs (``2 * M * N * K`` per call, from the
-            shapes) stay in bfloat16. Quantising costs two passes over each
-            operand, which only a large enough matmul earns back; where that
-            crossover lies depends on the GPU and was not measured here, so the
-            default, 0, keeps no matmul out on this ground (see README "## float8").
-        min_contraction: matmuls whose contraction (summed-over) size is
-            smaller stay in bfloat16. Default 16: below it float8 gains no
-            speed (float8 GEMMs take dimensions in multiples of 16) and each
-            output sums too few products to average out e4m3's rounding. For
-            a convolution the contraction is input features per group times
-            the kernel window.
-        keep_last_matmul_bf16: keep the forward program's last matmul, in
-            program order, in bfloat16: usually the logits projection, whose
-            errors go straight into the loss. Program order
-            counts a call's body (a jit'd function, a scan, a cond's branches,
-            in order) where the call is, and a body amp shares between calls
-            runs the same way at each. The forward program is the one amp
-            traces, so put amp inside `jax.grad`, not around it. Under
-            `jax.grad` a function with a custom derivative
-            (`jax.custom_vjp`, `jax.custom_jvp`) runs its derivative rule,
-            traced apart from the program, so a last matmul inside one is
-            not found: pin that function's scope instead,
-            ``{"head": jaxamp.use_precision("bf16")}``.
-
-    Raises:
-        TypeError: a field of the wrong type.
-        ValueError: a negative ``min_flops`` or a ``min_contraction`` below 1.
-    """
-
-    min_flops: int = 0
-    min_contraction: int = 16
-    keep_last_matmul_bf16: bool = False
-
-    def __post_init__(self) -> None:
-        for name, least in (("min_flops", 0), ("min_contraction", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(
-                    f"Fp8Recipe.{name} must be an int, got {value!r} ({type(value).__name__})."
-                )
-            if value < least:
-                raise ValueError(f"Fp8Recipe.{name} must be at least {least}, got {value}.")
-        if not isinstance(self.keep_last_matmul_bf16, (bool, np.bool_)):
-            raise TypeError(
-                f"Fp8Recipe.keep_last_matmul_bf16 must be a bool, got "
-                f"{self.keep_last_matmul_bf16!r} ({type(self.keep_last_matmul_bf16).__name__})."
-            )
-
-
-def as_recipe(compute_dtype: Any) -> Fp8Recipe | None:
-    """The `Fp8Recipe` a `compute_dtype` argument asks for, or None if it names no fp8 mode.
-
-    Args:
-        compute_dtype: an `Fp8Recipe`, one of `FP8_NAMES`, or anything else
-            (a dtype or dtype name, which the caller validates).
-
-    Returns:
-        The recipe (``Fp8Recipe()`` for a name), or None.
-    """
-    if isinstance(compute_dtype, Fp8Recipe):
-        return compute_dtype
-    if isinstance(compute_dtype, str) and compute_dtype.strip().lower() in FP8_NAMES:
-        return Fp8Recipe()
-    return None
-
 
 # --- quantisation and the scaled matmul ----------------------------------------
 
@@ -246,7 +166,7 @@ class Fp8MatmulRule:
     Called as an ordinary rule (the seed signature), it runs the matmul in
     compute precision (bfloat16), as `use_compute_precision`: that is what a
     matmul it keeps out of float8 gets. Its `rewrite_equation` is what amp's
-    interpreter asks first (see `jaxamp._interpreter.EquationRewrite`).
+    interpreter asks first (see `jaxamp.transform._interpreter.EquationRewrite`).
 
     Attributes:
         recipe: the fp8 options.
@@ -298,17 +218,10 @@ class Fp8MatmulRule:
         contraction, least = contraction_size(eqn), self.recipe.min_contraction
         if contraction < least:
             return f"contraction size {contraction} < min_contraction {least}"
-        flops = _equation_flops(eqn)
+        flops = equation_flops(eqn)
         if flops < self.recipe.min_flops:
             return f"{flops} FLOPs < min_flops {self.recipe.min_flops}"
         return ""
-
-
-def _equation_flops(eqn: Any) -> int:
-    # Imported here: `_diagnostics` imports `_amp`, which imports this module.
-    from ._diagnostics import equation_flops
-
-    return equation_flops(eqn)
 
 
 def with_fp8_matmuls(table: Mapping[Any, Rule], recipe: Fp8Recipe) -> PolicyTable:

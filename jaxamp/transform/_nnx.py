@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from . import _compat
+from .. import _compat
 
 __all__ = ["GraphCall", "has_nnx_objects", "lift", "module_scopes"]
 

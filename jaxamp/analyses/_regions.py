@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat
-from ._casting import cast_value, dtype_of
+from .. import _compat
+from .._casting import cast_value, dtype_of
 
 __all__ = ["Regions"]
 

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
-from ._casting import dtype_of
+from .. import _compat
+from .._casting import dtype_of
+from .._jaxpr import MATMUL_NAMES
 from ._interpreter import EquationRewrite, warn_once
-from ._jaxpr import MATMUL_NAMES
 from ._rules import PolicyTable, Rule, use_compute_precision
 
 __all__ = ["use_float32_accumulation", "with_float32_accumulation"]

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat
+from .. import _compat
 
 __all__ = [
     "NONPOSITIVE",

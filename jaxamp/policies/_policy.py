@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._dtypes import (
+from .._dtypes import (
     _DTYPE_NAMES,
     canonical_compute_dtype,
     cast_floating,

@@ -4,7 +4,7 @@
 `jax.grad` / `equinox.filter_grad` (and the value-and-grad variants) of `fun`, except
 that `fun`'s output is multiplied by the current scale before differentiating, the
 results are divided by it afterwards, and the scaler state comes back adjusted by
-the rule shared with the other scalers (`jaxamp._scale_schedule.next_scale`):
+the rule shared with the other scalers (`jaxamp.scaling._scale_schedule.next_scale`):
 
 * finite step: if ``count >= patience`` the scale is multiplied by ``adjust_factor``
   (capped at ``max_scaler``, kept if the product overflows) and ``count`` restarts
@@ -23,7 +23,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _compat, _nnx
+from .. import _compat
+from ..transform import _nnx
 from ._finite import (
     AxisName,
     check_axis_name,

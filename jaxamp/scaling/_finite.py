@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
+from .. import _compat
 
 __all__ = [
     "AxisName",

@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _compat
-from ._casting import cast_value, dtype_of
-from ._dtypes import is_castable
+from .. import _compat
+from .._casting import cast_value, dtype_of
+from .._dtypes import is_castable
 from ._interpreter import AmpContext, Handler, interpret, register
 
 __all__: list[str] = []  # handlers register themselves; nothing to import

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,12 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
-from ._amp import AmpOptions
-from ._dtypes import dtype_short_name, is_castable
-from ._fp8 import matmuls_in
-from ._interpreter import EquationEvent
-from ._jaxpr import MATMUL_NAMES, bodies
+from .. import _compat
+from .._dtypes import dtype_short_name, is_castable
+from .._jaxpr import MATMUL_NAMES, bodies, equation_flops, matmuls_in
+from .._options import AmpOptions
+from ..transform._interpreter import EquationEvent
 
 __all__ = ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
 
@@ -41,38 +39,6 @@ def _is_dtype(dtype: Any) -> bool:
         return True
     except TypeError:
         return False
-
-
-def equation_flops(eqn: Any) -> int:
-    """FLOPs (2 x multiply-adds) of a matmul or convolution, from its shapes; else 0.
-
-    A dot_general costs ``2 * batch * M * N * K``. A ragged_dot_general (the
-    grouped matmul of `jax.lax.ragged_dot`) costs the same, as if its groups
-    covered every row: each lhs element meets one group's ``N`` rhs columns, so
-    ``ragged_dot(lhs[m, k], rhs[g, k, n], group_sizes)`` costs ``2 * m * k * n``.
-    A convolution costs ``2 * output size * kernel window * input features per
-    group``.
-    """
-    name = eqn.primitive.name
-    if name in ("dot_general", "ragged_dot_general"):
-        if name == "dot_general":
-            dimension_numbers, rhs_group = eqn.params["dimension_numbers"], ()
-        else:
-            ragged = eqn.params["ragged_dot_dimension_numbers"]
-            dimension_numbers, rhs_group = ragged.dot_dimension_numbers, ragged.rhs_group_dimensions
-        (_, rhs_contract), (_, rhs_batch) = dimension_numbers
-        lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-        rhs_free = [
-            d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch, *rhs_group)
-        ]
-        return 2 * math.prod(lhs) * math.prod(rhs_free)
-    if name == "conv_general_dilated":
-        out = eqn.outvars[0].aval.shape
-        kernel = eqn.invars[1].aval.shape
-        out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
-        # Each output element is a dot over (input features / groups) x window.
-        return 2 * math.prod(out) * math.prod(kernel) // kernel[out_feature_dim]
-    return 0
 
 
 _HALF = ("f16", "bf16")
@@ -336,7 +302,7 @@ def _fold_scope(scope: str) -> str:
     """`scope` with its instance numbers as ``*``: ``layers_3/attn`` -> ``layers_*/attn``.
 
     Linen names instances ``Dense_3``; nnx module paths (see
-    `jaxamp._nnx.module_scopes`) read ``blocks.3``.
+    `jaxamp.transform._nnx.module_scopes`) read ``blocks.3``.
     """
     return "/".join(_NUMBERED.sub("*", part) for part in scope.split("/"))
 

@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _compat, _ranges
+from .. import _compat
+from . import _ranges
 
 __all__ = ["CONSTANT", "MOMENT", "NORMALISER", "OTHER", "StatisticsPlan", "plan_statistics"]
 
@@ -65,7 +66,7 @@ class StatisticsPlan:
     Attributes:
         statistics: indices of the equations to run at original precision.
         bounded: indices of range-limited equations (``exp``...) whose result
-            the range facts bound (see `jaxamp._ranges`).
+            the range facts bound (see `jaxamp.analyses._ranges`).
         call_inputs: for call equations, by index, the arguments the body is
             planned with: its inputs' classes, which of its outputs the
             caller sums, and its inputs' range facts.

@@ -27,13 +27,13 @@ __all__ = [
 
 AMP_STOP = "amp_stop"
 AMP_DEFAULT = "amp_default"
-# The entry for normalisation statistics (see `jaxamp._statistics`).
+# The entry for normalisation statistics (see `jaxamp.analyses._statistics`).
 AMP_STATISTICS = "amp_statistics"
 # The entry for range-limited ops whose result the range facts bound (see
-# `jaxamp._ranges`); it replaces only the default `use_full_range_precision`.
+# `jaxamp.analyses._ranges`); it replaces only the default `use_full_range_precision`.
 AMP_RANGE = "amp_range"
 # The entry for the program's tail: what runs after its last matmul (see
-# `jaxamp._tail`).
+# `jaxamp.analyses._tail`).
 AMP_TAIL = "amp_tail"
 
 

@@ -1,0 +1,274 @@
+"""amp's settings, validated, and the trace of the user's function that each call starts with.
+
+`AmpOptions` is shared by `jaxamp.amp`, its eager cache and the diagnostics
+(`explain`, `find_nonfinite`): each resolves the same keyword arguments and
+runs the same trace-then-rewrite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat
+from ._casting import as_array, cast_value
+from ._dtypes import canonical_compute_dtype
+from .fp8._matmul import with_fp8_matmuls
+from .fp8._recipe import FP8_NAMES, Fp8Recipe, as_recipe
+from .transform import _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
+from .transform._accumulation import with_float32_accumulation
+from .transform._interpreter import AmpContext, interpret
+from .transform._rules import PolicyTable, default_amp_policy, freeze
+
+__all__ = ["UNSET", "AmpOptions"]
+
+UNSET: Any = object()
+"""The default of `amp`'s ``compute_dtype``: distinguishes "not given" from None."""
+_PRIMITIVE_NAMES = frozenset(
+    getattr(key, "name", None) for key in default_amp_policy if not isinstance(key, str)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpOptions:
+    """amp's validated settings; `amp`, `explain` and `find_nonfinite` share them."""
+
+    compute_dtype: np.dtype
+    table: Mapping[Any, Callable]
+    output_dtype: np.dtype | None = None
+    fp8: Fp8Recipe | None = None  # fp8 mode's recipe: its matmul rules join the table per call
+    float32_accumulation: bool = False  # matmuls accumulate in float32 (`jaxamp.transform._accumulation`)
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        compute_dtype: Any = UNSET,
+        amp_policy: Any = None,
+        policy: Any = None,
+        float32_gradient_reductions: Any = False,
+    ) -> AmpOptions:
+        """Validate `amp`'s keyword arguments (see `amp`)."""
+        compute, output_dtype, fp8 = _resolve_dtypes(compute_dtype, policy)
+        table = _check_policy_table(default_amp_policy if amp_policy is None else amp_policy)
+        if not isinstance(float32_gradient_reductions, bool):
+            raise TypeError(
+                "float32_gradient_reductions must be a bool, got "
+                f"{float32_gradient_reductions!r}."
+            )
+        return cls(compute, table, output_dtype, fp8, float32_gradient_reductions)
+
+    def policy_table(self) -> PolicyTable:
+        """A snapshot of the table for one call (with fp8 mode's matmul rules).
+
+        Taken per call, not once in `resolve`: a table the user changes between
+        calls is seen afresh.
+        """
+        table = freeze(self.table) if self.fp8 is None else with_fp8_matmuls(self.table, self.fp8)
+        return with_float32_accumulation(table) if self.float32_accumulation else table
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
+        """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""
+        with _collection_paused():
+            closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs)
+            ctx = self._context(observer=observer, inline=inline)
+            # Re-emitted straight into the caller's trace (grad, vmap, an outer
+            # jit), like the user's own code: calls keep their jaxprs (see
+            # `_compat.trace_keeping_calls`), so JAX differentiates each
+            # distinct body once and source lines stay the user's.
+            outs = self._evaluate(closed, flat_args, num_outs, ctx)
+        return rebuild(outs)
+
+    def rewrite(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list, Callable, bool]:
+        """amp's program for ``fn(*args, **kwargs)`` as a jaxpr (what eager calls cache).
+
+        Returns:
+            ``(program, flat_args, rebuild, stateless)``: a closed jaxpr; its
+            inputs for this call (the array leaves of the arguments, or, when
+            flax nnx objects take part, of their state and the other
+            arguments); ``rebuild(outs)``, building `fn`'s output from the
+            program's outputs; and whether no nnx object takes part (else
+            their state is written back, or new ones created, per call).
+        """
+        with _collection_paused():
+            closed, flat_args, num_outs, rebuild, reusable = _trace(fn, args, kwargs)
+            ctx = self._context()
+            program = _compat.trace_keeping_calls(
+                lambda *flat: self._evaluate(closed, flat, num_outs, ctx),
+                [_compat.abstract_value(x) for x in flat_args],
+            )
+        return program, flat_args, rebuild, reusable
+
+    def _context(self, observer=None, inline=False) -> AmpContext:
+        return AmpContext(
+            compute_dtype=self.compute_dtype,
+            policy=self.policy_table(),
+            scopes=_compat.ambient_scopes(),
+            observer=observer,
+            inline=inline,
+        )
+
+    def _evaluate(self, closed: Any, flat_args: Any, num_outs: int, ctx: AmpContext) -> list:
+        outs = interpret(closed.jaxpr, closed.consts, flat_args, ctx)
+        outs = [as_array(cast_value(x, a.dtype), a) for x, a in zip(outs, closed.out_avals)]
+        if self.output_dtype is not None:
+            # fn's own outputs only: state written back into flax nnx arguments
+            # keeps its dtypes.
+            outs[:num_outs] = [cast_value(x, self.output_dtype) for x in outs[:num_outs]]
+        return outs
+
+
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while amp traces and rewrites.
+
+    Tracing allocates many short-lived objects, and amp traces the program
+    twice (the user's function, then the rewritten one): enough, on a 12-layer
+    GPT, to trigger a full collection that plain tracing does not reach, a
+    tenth of a second on the first call. Objects are still freed as soon as
+    nothing refers to them; only cyclic garbage waits for the end of the
+    block. Left as it is when it is already off (nested amp, or the user's
+    choice).
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _resolve_dtypes(
+    compute_dtype: Any, policy: Any
+) -> tuple[np.dtype, np.dtype | None, Fp8Recipe | None]:
+    """``(compute dtype, output dtype or None, fp8 recipe or None)`` of `amp`'s arguments.
+
+    fp8 mode (``compute_dtype="fp8"`` or an `Fp8Recipe`) computes in bfloat16
+    with float8 matmuls: a `policy` beside it must compute in bfloat16.
+    """
+    fp8 = None if compute_dtype is UNSET else as_recipe(compute_dtype)
+    if fp8 is not None:
+        compute = np.dtype(jnp.bfloat16)
+    elif compute_dtype is UNSET:
+        compute = np.dtype(jnp.float16) if policy is None else None
+    else:
+        compute = _canonical_or_fp8_hint(compute_dtype)
+    if policy is None:
+        return compute, None, fp8
+    from .policies._policy import get_policy
+
+    resolved = get_policy(policy)
+    if compute is not None and compute != np.dtype(resolved.compute_dtype):
+        raise ValueError(
+            f"amp got compute_dtype={compute_dtype!r} and policy={str(resolved)!r}, "
+            "which disagree: pass one of them"
+            + (" (fp8 mode computes in bf16)." if fp8 is not None else ".")
+        )
+    return np.dtype(resolved.compute_dtype), np.dtype(resolved.output_dtype), fp8
+
+
+_FP8_HINT = (
+    f"For float8 matmuls pass compute_dtype={FP8_NAMES[0]!r} (or {FP8_NAMES[1]!r}, "
+    "or a jaxamp.Fp8Recipe)."
+)
+
+
+def _canonical_or_fp8_hint(compute_dtype: Any) -> np.dtype:
+    try:
+        return canonical_compute_dtype(compute_dtype)
+    except ValueError as err:  # an unknown name: fp8 mode's names are valid too
+        raise ValueError(f"{err} {_FP8_HINT}") from None
+    except TypeError as err:
+        # A float8 dtype is no compute dtype (only matmul operands go to
+        # float8, and only in fp8 mode): point at the mode.
+        if not _is_float8(compute_dtype):
+            raise
+        raise TypeError(f"{err} {_FP8_HINT}") from None
+
+
+def _is_float8(value: Any) -> bool:
+    try:
+        return value is not None and np.dtype(value).name.startswith("float8")
+    except TypeError:
+        return False
+
+
+def _check_policy_table(table: Any) -> Mapping[Any, Callable]:
+    if not isinstance(table, Mapping):
+        raise TypeError(
+            f"amp_policy must be a dict mapping primitives or scope names to rules, "
+            f"got {type(table).__name__}."
+        )
+    for key, rule in table.items():
+        if not isinstance(key, (str, _compat.Primitive)):
+            raise TypeError(
+                f"amp_policy keys must be primitives (e.g. jax.lax.add_p) or "
+                f"jax.named_scope names, got {key!r} ({type(key).__name__})."
+            )
+        if isinstance(key, str) and key in _PRIMITIVE_NAMES:
+            warnings.warn(
+                f"amp_policy key {key!r} is matched against jax.named_scope names, "
+                f"not primitives; to key the primitive, use its object "
+                f"(e.g. jax.lax.{key}_p).",
+                UserWarning,
+                stacklevel=3,
+            )
+        if not callable(rule):
+            raise TypeError(
+                f"amp_policy[{key!r}] must be a rule function "
+                f"rule(compute_dtype, original_dtypes, *invars, **bind_params), got {rule!r}."
+            )
+    return table
+
+
+def _trace(fn: Callable, args: tuple, kwargs: dict):
+    """Trace `fn` with the array leaves of its arguments as inputs.
+
+    Returns:
+        ``(closed, flat_args, num_outs, rebuild, stateless)``: the jaxpr; its
+        inputs; how many of its leading outputs are `fn`'s own (the rest are
+        the state that `fn` changed in flax nnx objects among its arguments,
+        see `_nnx`); ``rebuild(outs)``, which builds `fn`'s output from the
+        evaluated outputs and writes that state back into the caller's
+        objects; and whether no nnx object takes part.
+    """
+    nnx_call = _nnx.lift(fn, args, kwargs)
+    if nnx_call is not None:
+        fn, args, kwargs = nnx_call.fn, nnx_call.args, nnx_call.kwargs
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    flat_args, in_tree = jax.tree_util.tree_flatten(dynamic)
+    out_info: list = []
+
+    def flat_fn(*flat):
+        call_args, call_kwargs = eqx.combine(jax.tree_util.tree_unflatten(in_tree, flat), static)
+        out = fn(*call_args, **call_kwargs)
+        out_dynamic, out_static = eqx.partition(out, eqx.is_array)
+        out_flat, out_tree = jax.tree_util.tree_flatten(out_dynamic)
+        out_info[:] = [out_tree, out_static]
+        return [jnp.asarray(x) for x in out_flat]
+
+    in_avals = [_compat.abstract_value(x) for x in flat_args]
+    closed = _compat.trace_keeping_calls(flat_fn, in_avals)
+    out_tree = out_info[0]
+    # The nnx call returns ``(out, state updates)``: out's leaves come first.
+    num_outs = out_tree.num_leaves if nnx_call is None else out_tree.children()[0].num_leaves
+
+    def rebuild(outs):
+        out_tree, out_static = out_info
+        out = eqx.combine(jax.tree_util.tree_unflatten(out_tree, outs), out_static)
+        return out if nnx_call is None else nnx_call.finish(out)
+
+    stateless = nnx_call is None or nnx_call.holds_no_state
+    return closed, flat_args, num_outs, rebuild, stateless
+

@@ -1,0 +1,6 @@
+"""Whole-program analyses amp runs before it rewrites a program: normalisation
+statistics (`_statistics`), value ranges (`_ranges`), the regions a rule keeps
+together (`_regions`) and the program's tail after its last matmul (`_tail`).
+
+Internal: import the public names from `jaxamp`.
+"""
