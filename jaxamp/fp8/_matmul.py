@@ -7,9 +7,10 @@ That rule replaces each matmul it accepts with a scaled float8 matmul, the
 "current scaling" recipe of Transformer Engine's ``Float8CurrentScaling`` and
 torchao's tensorwise dynamic scaling:
 
-* forward: each operand ``x`` gets ``scale = amax(|x|) / 448`` (amax in float32,
-  from the live tensor; 1 for a zero tensor), is quantised as ``x / scale``
-  saturated to e4m3's ±448, and the matmul of the two float8_e4m3fn operands
+* forward: each operand ``x`` gets ``scale = amax / 448`` (amax the largest
+  finite ``|x|`` of the live tensor, in float32; 1 for a zero tensor), is
+  quantised as ``x / scale`` saturated to e4m3's ±448 (inf and NaN entries
+  pass through as NaN, see `quantize`), and the matmul of the two float8_e4m3fn operands
   accumulates in float32; the result, times both scales, goes on in bfloat16;
 * backward (a `jax.custom_vjp`, so that JAX's transpose cannot choose the
   formats): the incoming cotangent is quantised the same way to float8_e5m2

@@ -1,5 +1,8 @@
 """flax nnx objects among amp's arguments: carry their state updates out of the trace.
 
+(And, while amp traces, name each nnx module's calls with a `jax.named_scope`
+of its path, as flax Linen does for its modules: see `module_scopes`.)
+
 flax nnx's idiom is a function that mutates the module it is given: BatchNorm
 updates its running statistics, Dropout advances its `nnx.Rngs` counter. amp
 traces the function and evaluates the trace, so those mutations would land on
@@ -356,25 +359,24 @@ def module_scopes(nodes: tuple) -> Iterator[None]:
     """nnx modules in `nodes` call ``__call__`` under a `jax.named_scope` of their path."""
     nnx = sys.modules["flax.nnx"]
     paths: dict[int, tuple] = {}
+    classes: set[type] = set()
     for node in nodes:
         for path, value in _compat.nnx_iter_graph(node):
             if isinstance(value, nnx.Module) and id(value) not in paths:
                 paths[id(value)] = path
-    classes = [
-        cls
-        for cls in {type(value) for node in nodes for _, value in _compat.nnx_iter_graph(node)}
-        if issubclass(cls, nnx.Module) and callable(getattr(cls, "__call__", None))
-    ]
+                if callable(getattr(type(value), "__call__", None)):
+                    classes.add(type(value))
     if not paths or not classes:
         yield
         return
-    _wrap(classes)
+    classes_in_order = sorted(classes, key=lambda cls: cls.__qualname__)
+    _wrap(classes_in_order)
     token = _SCOPE_PATHS.set({**_SCOPE_PATHS.get(), **paths})
     try:
         yield
     finally:
         _SCOPE_PATHS.reset(token)
-        _unwrap(classes)
+        _unwrap(classes_in_order)
 
 
 def _wrap(classes: list[type]) -> None:
