@@ -127,10 +127,15 @@ def _markdown_table(names: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _trace_overhead_lines(overhead: dict | None) -> list[str]:
-    """Markdown rows of the trace overhead: one per model and setting (warm, cold)."""
+    """Markdown rows of the trace overhead: one per model and setting (warm, cold, runnable)."""
     if not overhead:
         return []
-    lines = ["", "### Trace overhead: lowering value-and-grad, amp / plain and amp / hand-cast", ""]
+    lines = [
+        "",
+        "### Trace overhead: lowering value-and-grad (warm, cold) and time to a runnable step "
+        "(lower + compile), amp / plain and amp / hand-cast",
+        "",
+    ]
     if "error" in overhead:
         return [*lines, f"- not measured: {overhead['error']}"]
     rows = []

@@ -41,8 +41,9 @@ __all__ = ["SKIPPABLE", "main", "parse_args"]
 _HERE = Path(__file__).resolve().parent
 
 SKIPPABLE = {
-    "trace": "the trace overhead, warm and cold",
+    "trace": "the trace overhead, warm, cold and time to a runnable step",
     "cold": "the cold trace overhead only (its fresh processes)",
+    "runnable": "time to a runnable step only (compiling each model three ways)",
     "eager": "the eager overhead",
     "compiled": "the compiled converts (compiling the steps of the compared variants)",
 }
@@ -119,6 +120,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default: 3, 2 with --quick)",
     )
     parser.add_argument(
+        "--runnable-rounds",
+        type=int,
+        help="rounds of lower + compile per function for time to a runnable step "
+        "(default: 3, 1 with --quick; 0 or --skip runnable leaves it out)",
+    )
+    parser.add_argument(
         "--results-dir",
         type=Path,
         default=_HERE / "results",
@@ -187,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
     cold_runs = args.cold_runs if args.cold_runs is not None else (2 if args.quick else 3)
     if "cold" in args.skip:
         cold_runs = 0
+    runnable_rounds = args.runnable_rounds if args.runnable_rounds is not None else (1 if args.quick else 3)
+    if "runnable" in args.skip:
+        runnable_rounds = 0
     label = args.device_label or default_label()
     timed = args.timings == "on" or (args.timings == "auto" and jax.default_backend() == "gpu")
     selected = {k: w for k, w in workloads(args.size).items() if k in args.models}
@@ -199,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
             "size": args.size,
             "lower_repeats": repeats,
             "cold_runs": cold_runs,
+            "runnable_rounds": runnable_rounds,
             "steps": steps,
             "warmup": warmup,
             "skip": args.skip,
@@ -217,7 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
         with _phase(results, "trace overhead", title):
             results["trace_overhead"] = guarded(
                 "trace overhead",
-                lambda: trace_overhead.measure(args.size, repeats=repeats, cold_runs=cold_runs),
+                lambda: trace_overhead.measure(
+                    args.size, repeats=repeats, cold_runs=cold_runs, runnable_rounds=runnable_rounds
+                ),
             )
         if "error" not in results["trace_overhead"]:
             print(trace_overhead.format_results(results["trace_overhead"]), flush=True)

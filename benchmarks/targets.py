@@ -81,15 +81,41 @@ _TRACE_MODELS = {
 _WORKLOADS = {"gpt": "GPT-2 small", "resnet": "ResNet"}
 
 TARGETS: tuple[Target, ...] = (
+    # amp's cost against what its user would otherwise write (issue 26): the
+    # hand-cast model, on what the user waits for. A mixed-precision program
+    # costs more to differentiate, lower and compile than a float32 one
+    # whoever writes the casts, so amp / plain mixes amp's own cost with the
+    # cost of mixed precision itself; amp / hand-cast is amp's alone. Time to
+    # a runnable step (lower + compile, what stands between calling the step
+    # and running it) must not exceed hand-cast code's; the warm re-trace may
+    # cost 10% more (amp traces the function, then re-emits it). The cold
+    # first lowering against plain float32 stays as a bound on the first step.
     *(
         Target(
-            f"trace overhead, {setting}, {name}: amp / plain lowering",
+            f"time to a runnable step, {name}: amp / hand-cast",
             "trace overhead",
-            _at("trace_overhead", key, setting, "ratio"),
-            limit,
+            _at("trace_overhead", key, "runnable", "ratio_to_hand"),
+            1.00,
         )
         for key, name in _TRACE_MODELS.items()
-        for setting, limit in (("warm", 1.10), ("cold", 1.25))
+    ),
+    *(
+        Target(
+            f"trace overhead, warm, {name}: amp / hand-cast lowering",
+            "trace overhead",
+            _at("trace_overhead", key, "warm", "ratio_to_hand"),
+            1.10,
+        )
+        for key, name in _TRACE_MODELS.items()
+    ),
+    *(
+        Target(
+            f"trace overhead, cold, {name}: amp / plain lowering",
+            "trace overhead",
+            _at("trace_overhead", key, "cold", "ratio"),
+            1.25,
+        )
+        for key, name in _TRACE_MODELS.items()
     ),
     Target(
         "eager overhead, 8-layer MLP: amp / plain per call",

@@ -1,4 +1,4 @@
-"""How much longer tracing and lowering take under `jaxamp.amp`, warm and cold.
+"""How much longer tracing, lowering and compiling take under `jaxamp.amp`.
 
 For each model of `benchmarks.workloads.trace_workloads` (GPT-2 small with its
 12 layers unrolled, under `lax.scan`, and unrolled at 24 layers), compares::
@@ -19,13 +19,20 @@ amp / hand-cast is the part of the overhead that is amp's own. Two settings:
   (`benchmarks.worker`), with imports (jaxamp's included, for both) and the
   abstract model built before the timer starts: the cost a user pays on the
   first step of a script. Plain and amp alternate, one process each, and the
-  median of the runs is kept.
+  median of the runs is kept;
+* **runnable** (`runnable`): time to a runnable step, lowering and XLA
+  compilation (``.lower(...).compile()``) with JAX's caches cleared before
+  each, plain, hand-cast and amp taking turns, the median of the rounds: what
+  the user waits for before the first step runs.
 
-Nothing is compiled or run, and the models are abstract (`jax.ShapeDtypeStruct`
-leaves), so the figures need no accelerator. The targets (amp / plain at most
-1.10 warm and 1.25 cold) are in `benchmarks.targets`.
+Nothing is run, and the models are abstract (`jax.ShapeDtypeStruct` leaves).
+Lowering needs no accelerator; compile times are the backend's own (on CPU,
+XLA compiles bfloat16 scans slowly, and hand-cast code pays the same). The
+targets, in `benchmarks.targets`: amp / hand-cast at most 1.00 for time to a
+runnable step and 1.10 for the warm trace (amp's own cost against what its user
+would otherwise write), and amp / plain at most 1.25 cold.
 
-    python -m benchmarks.trace_overhead [--repeats 7] [--cold-runs 3]
+    python -m benchmarks.trace_overhead [--repeats 7] [--cold-runs 3] [--runnable-rounds 3]
 """
 
 from __future__ import annotations
@@ -44,7 +51,16 @@ from benchmarks.measure import median_lower_seconds
 from benchmarks.variants import hand_cast
 from benchmarks.workloads import SIZES, trace_workloads
 
-__all__ = ["cold", "cold_lower_seconds", "each_setting", "format_results", "main", "measure", "warm"]
+__all__ = [
+    "cold",
+    "cold_lower_seconds",
+    "each_setting",
+    "format_results",
+    "main",
+    "measure",
+    "runnable",
+    "warm",
+]
 
 _COLD_TIMEOUT_S = 300.0
 
@@ -167,14 +183,49 @@ def _cold_one(size: str, model: str, runs: int, compute_dtype: str) -> dict:
     return {**_summary(medians), **{f"{name}_runs": samples[name] for name in FUNCTIONS}}
 
 
+def runnable(
+    size: str = "full", rounds: int = 3, compute_dtype: str = "bf16", models: Iterable[str] = ()
+) -> dict[str, dict[str, float]]:
+    """Median time to a runnable step (lower and compile) of plain, hand-cast and amp value-and-grad.
+
+    Args:
+        size: the models' size (`benchmarks.workloads.trace_workloads`).
+        rounds: timed rounds, each compiling every function once with JAX's
+            caches cleared before each (after one untimed round).
+        compute_dtype: amp's compute dtype.
+        models: keys of the models to measure (default: all).
+
+    Returns:
+        model key -> ``{"plain_s", "hand_s", "amp_s", "ratio", "ratio_to_hand"}``.
+    """
+    available = trace_workloads(size)
+    results = {}
+    for key in models or available:
+        workload = available[key]
+        args = workload.abstract_args()
+        samples: dict[str, list[float]] = {name: [] for name in FUNCTIONS}
+        for round_ in range(rounds + 1):
+            for name in FUNCTIONS:
+                step = jax.jit(_value_and_grad_builder(workload.loss_fn, name, compute_dtype)())
+                jax.clear_caches()
+                gc.collect()
+                start = time.perf_counter()
+                step.lower(*args).compile()
+                if round_:  # the first round fills JAX's own Python-level state
+                    samples[name].append(time.perf_counter() - start)
+        results[key] = _summary({name: statistics.median(t) for name, t in samples.items()})
+    return results
+
+
 def measure(
     size: str = "full",
     repeats: int = 7,
     cold_runs: int = 3,
     compute_dtype: str = "bf16",
     models: Iterable[str] = (),
+    runnable_rounds: int = 0,
 ) -> dict[str, dict]:
-    """`warm` and `cold` overhead of every model.
+    """`warm`, `cold` and `runnable` figures of every model.
 
     Args:
         size: the models' size (`benchmarks.workloads.trace_workloads`).
@@ -182,10 +233,11 @@ def measure(
         cold_runs: `cold`'s processes per model and function; 0 skips `cold`.
         compute_dtype: amp's compute dtype.
         models: keys of the models to measure (default: all).
+        runnable_rounds: `runnable`'s timed rounds; 0 (the default) skips it.
 
     Returns:
-        model key -> ``{"title": ..., "warm": ..., "cold": ...}`` with `warm`'s
-        and `cold`'s figures (``"cold"`` missing when `cold_runs` is 0).
+        model key -> ``{"title": ..., "warm": ..., "cold": ..., "runnable": ...}``
+        (``"cold"`` and ``"runnable"`` missing when skipped).
     """
     available = trace_workloads(size)
     keys = list(models or available)
@@ -195,13 +247,16 @@ def measure(
     if cold_runs:
         for key, figures in cold(size, cold_runs, compute_dtype, keys).items():
             results[key]["cold"] = figures
+    if runnable_rounds:
+        for key, figures in runnable(size, runnable_rounds, compute_dtype, keys).items():
+            results[key]["runnable"] = figures
     return results
 
 
 def each_setting(results: dict[str, dict]) -> Iterator[tuple[str, str, dict]]:
-    """``(model key, "warm" or "cold", figures)`` for each setting `measure` ran, in table order."""
+    """``(model key, setting, figures)`` for each setting `measure` ran, in table order."""
     for key, per_setting in results.items():
-        for setting in ("warm", "cold"):
+        for setting in ("warm", "cold", "runnable"):
             if setting in per_setting:
                 yield key, setting, per_setting[setting]
 
@@ -209,16 +264,16 @@ def each_setting(results: dict[str, dict]) -> Iterator[tuple[str, str, dict]]:
 def format_results(results: dict[str, dict]) -> str:
     """A plain-text table of `measure`'s results: one row per model and setting."""
     header = (
-        f"{'model':<14} {'trace':<5} {'plain':>8} {'hand':>8} {'amp':>8} {'amp/plain':>9} "
+        f"{'model':<14} {'setting':<8} {'plain':>8} {'hand':>8} {'amp':>8} {'amp/plain':>9} "
         f"{'amp/hand':>8}"
     )
     lines = [header]
     for key, setting, r in each_setting(results):
         if "error" in r:
-            lines.append(f"{key:<14} {setting:<5} !! {r['error']}")
+            lines.append(f"{key:<14} {setting:<8} !! {r['error']}")
             continue
         lines.append(
-            f"{key:<14} {setting:<5} {r['plain_s']:>7.3f}s {r['hand_s']:>7.3f}s "
+            f"{key:<14} {setting:<8} {r['plain_s']:>7.3f}s {r['hand_s']:>7.3f}s "
             f"{r['amp_s']:>7.3f}s {r['ratio']:>9.2f} {r['ratio_to_hand']:>8.2f}"
         )
     lines += [f"{key}: {r['title']}" for key, r in results.items()]
@@ -245,15 +300,26 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         default=3,
         help="fresh processes per model and function for the cold figure; 0 skips it (default: 3)",
     )
+    parser.add_argument(
+        "--runnable-rounds",
+        type=int,
+        default=3,
+        help="rounds of lower + compile per function for time to a runnable step; 0 skips it "
+        "(default: 3)",
+    )
     parser.add_argument("--size", choices=SIZES, default="full", help="model size (default: full)")
     parser.add_argument(
         "--compute-dtype", default="bf16", help="amp's compute dtype (default: bf16)"
     )
     args = parser.parse_args(argv)
-    results = measure(args.size, args.repeats, args.cold_runs, args.compute_dtype)
+    results = measure(
+        args.size, args.repeats, args.cold_runs, args.compute_dtype,
+        runnable_rounds=args.runnable_rounds,
+    )  # fmt: skip
     print(
         f"JAX {jax.__version__}: median of {args.repeats} warm lowerings, "
-        f"{args.cold_runs} cold processes per function"
+        f"{args.cold_runs} cold processes per function, "
+        f"{args.runnable_rounds} rounds of lower + compile"
     )
     print(format_results(results))
     as_run = {"settings": {"size": args.size}, "trace_overhead": results}

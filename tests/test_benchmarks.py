@@ -75,8 +75,16 @@ def _results(size="full", backend="cpu"):
             },
         },
         "trace_overhead": {
-            "unrolled": {"warm": {"ratio": 1.05}, "cold": {"ratio": 1.5}},
-            "scan": {"warm": {"ratio": 1.08}, "cold": {"error": "timed out after 300s"}},
+            "unrolled": {
+                "warm": {"ratio": 1.15, "ratio_to_hand": 1.05},
+                "cold": {"ratio": 1.5},
+                "runnable": {"ratio": 0.8, "ratio_to_hand": 0.97},
+            },
+            "scan": {
+                "warm": {"ratio": 1.08, "ratio_to_hand": 1.2},
+                "cold": {"error": "timed out after 300s"},
+                "runnable": {"ratio": 1.6, "ratio_to_hand": 1.01},
+            },
         },
         "eager": {"ratio": 1.2},
     }
@@ -92,13 +100,17 @@ def test_targets_met_missed_and_not_measured():
     assert len({t.name for t in targets.TARGETS}) == len(targets.TARGETS)
     by_name = _by_name(rows)
     status = {name: row["status"] for name, row in by_name.items()}
-    unrolled = "GPT-2 small unrolled: amp / plain lowering"
-    assert status[f"trace overhead, warm, {unrolled}"] == targets.MET
-    assert status[f"trace overhead, cold, {unrolled}"] == targets.MISSED
+    # Warm and time to a runnable step against hand-cast code; cold against plain.
+    assert status["trace overhead, warm, GPT-2 small unrolled: amp / hand-cast lowering"] == targets.MET
+    assert status["trace overhead, warm, GPT-2 small under lax.scan: amp / hand-cast lowering"] == targets.MISSED
+    assert status["time to a runnable step, GPT-2 small unrolled: amp / hand-cast"] == targets.MET
+    scan_runnable = by_name["time to a runnable step, GPT-2 small under lax.scan: amp / hand-cast"]
+    assert scan_runnable["status"] == targets.MISSED and scan_runnable["value"] == pytest.approx(1.01)
+    assert status["trace overhead, cold, GPT-2 small unrolled: amp / plain lowering"] == targets.MISSED
     # A failed figure and one never measured are reported, not dropped.
     cold_scan = by_name["trace overhead, cold, GPT-2 small under lax.scan: amp / plain lowering"]
     assert cold_scan["status"] == targets.NOT_MEASURED and cold_scan["value"] is None
-    deep = "trace overhead, warm, 24-layer GPT unrolled: amp / plain lowering"
+    deep = "trace overhead, warm, 24-layer GPT unrolled: amp / hand-cast lowering"
     assert status[deep] == targets.NOT_MEASURED
     assert status["eager overhead, 8-layer MLP: amp / plain per call"] == targets.MET
     residuals = by_name["GPT-2 small: amp bf16 / hand-cast bf16 residual bytes"]
@@ -135,17 +147,18 @@ def test_worker_round_trip():
     assert "timed out" in worker.run(dict, {}, timeout_s=0.001)["error"]
 
 
-def test_trace_overhead_warm_and_cold():
-    results = trace_overhead.measure(size="tiny", repeats=1, cold_runs=1, models=["scan"])
+def test_trace_overhead_warm_cold_and_runnable():
+    results = trace_overhead.measure(size="tiny", repeats=1, cold_runs=1, models=["scan"], runnable_rounds=1)
     assert set(results) == {"scan"}
-    warm, cold = results["scan"]["warm"], results["scan"]["cold"]
-    for figures in (warm, cold):
+    warm, cold, runnable = (results["scan"][s] for s in ("warm", "cold", "runnable"))
+    for figures in (warm, cold, runnable):
+        assert all(figures[f"{name}_s"] > 0 for name in ("plain", "hand", "amp"))
         assert figures["ratio"] == pytest.approx(figures["amp_s"] / figures["plain_s"])
         assert figures["ratio_to_hand"] == pytest.approx(figures["amp_s"] / figures["hand_s"])
     # One fresh process each for plain, hand-cast and amp.
     assert len(cold["plain_runs"]) == len(cold["hand_runs"]) == len(cold["amp_runs"]) == 1
     text = trace_overhead.format_results(results)
-    assert "scan           warm" in text and "scan           cold" in text
+    assert all(f"scan           {setting}" in text for setting in ("warm", "cold", "runnable"))
 
 
 def test_markdown_shows_overheads_and_targets(tmp_path):
@@ -178,7 +191,8 @@ def test_markdown_shows_overheads_and_targets(tmp_path):
     md = tmp_path / "RESULTS.md"
     report.update_markdown(md, results, tmp_path / "m.json", None)
     text = md.read_text()
-    assert "| `unrolled` | warm | 1,000 | 500 | 1,050 | 1.05x | 2.10x |" in text
+    assert "| `unrolled` | warm | 1,000 | 500 | 1,150 | 1.15x | 2.30x |" in text
+    assert "| `unrolled` | runnable | 1,000 | 500 | 800 | 0.80x | 1.60x |" in text
     assert "| `scan` | cold | - | - | - | not measured: timed out after 300s | - |" in text
     assert "an MLP: plain 10.00 ms, amp 12.00 ms per call, amp / plain 1.20" in text
     missed = "trace overhead, cold, GPT-2 small unrolled: amp / plain lowering"
