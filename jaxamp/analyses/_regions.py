@@ -94,11 +94,30 @@ class Regions:
         scopes = _handing_on_scopes(policy) - set(enclosing)
         self._scope_of, self._exits = _region_exits(jaxpr, scopes) if scopes else ([], {})
         self._entered: dict[str, set[tuple[int, ...]]] = {}
+        # Contiguous runs of equations in one region (start -> end, exclusive)
+        # that hand something on: what the interpreter can recompute as a whole.
+        self._run_ends: dict[int, int] = {}
+        start = None
+        for i, scope in enumerate([*self._scope_of, None]):
+            if start is not None and scope != self._scope_of[start]:
+                if any(k in self._exits for k in range(start, i)):
+                    self._run_ends[start] = i
+                start = None
+            if start is None and scope is not None:
+                start = i
 
     @property
     def active(self) -> bool:
         """Whether the jaxpr has any region to track."""
         return bool(self._exits)
+
+    def run_end(self, index: int) -> int | None:
+        """Where the run of region equations starting at `index` ends (exclusive), or None."""
+        return self._run_ends.get(index)
+
+    def exits(self, index: int) -> tuple[int, ...]:
+        """The outputs of equation `index` used outside its region (or returned)."""
+        return self._exits.get(index, ())
 
     def hand_on(self, index: int, eqn: Any, invals: Sequence[Any], outvals: list, compute_dtype) -> list:
         """`outvals` of equation `index`, those leaving a region rounded to `compute_dtype`."""

@@ -188,18 +188,10 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         The values of ``jaxpr.outvars``, in whatever dtypes amp left them.
     """
     env: dict[Any, Any] = {}
-
-    def read(v):
-        return v.val if isinstance(v, _compat.Literal) else env[v]
-
-    def write(v, value):
-        if not isinstance(v, _compat.DropVar):
-            env[v] = value
-
     for v, value in zip(jaxpr.constvars, consts):
-        write(v, value)
+        _write(env, v, value)
     for v, value in zip(jaxpr.invars, args, strict=True):
-        write(v, value)
+        _write(env, v, value)
     tail: frozenset[int] = frozenset()
     if not ctx.call_sites:  # the amp'd program itself, not a body inside it
         ctx = _for_program(ctx, jaxpr)
@@ -208,9 +200,9 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     given = ctx.statistics_inputs
     plan = plan_statistics(jaxpr, *(given[1] if given is not None and given[0] is jaxpr else ()))
     regions = Regions(jaxpr, ctx.policy, ctx.scopes)
-    casts: dict = {}  # see `shared_casts`
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(v) for v in eqn.invars]
+
+    def evaluate(i: int, eqn: Any, env: dict, casts: dict) -> None:
+        invals = [_read(env, v) for v in eqn.invars]
         handler = HANDLERS.get(eqn.primitive)
         in_tail = ctx.tail or i in tail
         with _compat.eqn_source(eqn):
@@ -237,8 +229,73 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         if regions.active:
             outvals = regions.hand_on(i, eqn, invals, outvals, ctx.compute_dtype)
         for v, value in zip(eqn.outvars, outvals, strict=True):
-            write(v, value)
-    return [read(v) for v in jaxpr.outvars]
+            _write(env, v, value)
+
+    # Diagnostics watch every equation's value, so they see regions unwrapped.
+    recompute_regions = regions.active and ctx.observer is None and not ctx.inline
+    casts: dict = {}  # see `shared_casts`
+    i = 0
+    while i < len(jaxpr.eqns):
+        end = regions.run_end(i) if recompute_regions else None
+        if end is None:
+            evaluate(i, jaxpr.eqns[i], env, casts)
+            i += 1
+        else:
+            _evaluate_recomputed(jaxpr, range(i, end), regions, env, evaluate)
+            i = end
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _read(env: dict, v: Any) -> Any:
+    return v.val if isinstance(v, _compat.Literal) else env[v]
+
+
+def _write(env: dict, v: Any, value: Any) -> None:
+    if not isinstance(v, _compat.DropVar):
+        env[v] = value
+
+
+def _evaluate_recomputed(
+    jaxpr: Any, run: range, regions: Regions, env: dict, evaluate: Callable
+) -> None:
+    """Evaluate the region equations `run` under `jax.checkpoint`, saving their inputs and reductions.
+
+    A norm region runs in float32 (`use_normalisation_precision`) on an input
+    that arrives in the compute dtype. Differentiated as is, it would save
+    float32 activations (the centred and normalised values) for the backward
+    pass; under `jax.checkpoint` it saves its half-precision input and the
+    per-row statistics (the region's reductions: a few bytes per row), and the
+    backward pass recomputes the rest in float32 from them, as apex's
+    memory-efficient LayerNorm does. Values and gradients are the same.
+    """
+    eqns = [jaxpr.eqns[k] for k in run]
+    defined: set = set()
+    inputs: list = []
+    for eqn in eqns:
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal) and v not in defined and v not in inputs:
+                inputs.append(v)
+        defined.update(eqn.outvars)
+    outputs = [eqn.outvars[k] for i, eqn in zip(run, eqns) for k in regions.exits(i)]
+
+    def region(*values: Any) -> list:
+        local = dict(zip(inputs, values))
+        casts: dict = {}  # casts made in this trace stay in it
+        for i, eqn in zip(run, eqns):
+            evaluate(i, eqn, local, casts)
+        return [local[v] for v in outputs]
+
+    recomputed = jax.checkpoint(region, policy=_save_reductions)
+    env.update(zip(outputs, recomputed(*[env[v] for v in inputs])))
+
+
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
+
+
+def _save_reductions(primitive: Any, *_: Any, **__: Any) -> bool:
+    # A `jax.checkpoint` policy: reductions' results (a norm's per-row sums) are
+    # saved; everything of the activation's size is recomputed.
+    return primitive.name in _REDUCTIONS
 
 
 def _for_program(ctx: AmpContext, jaxpr: Any) -> AmpContext:
