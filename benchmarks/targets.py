@@ -133,8 +133,21 @@ TARGETS: tuple[Target, ...] = (
         for model, name in _WORKLOADS.items()
         for dtype, amp, hand, limit in (
             ("bf16", "amp_bf16", "hand_bf16", 1.00),
-            ("f16", "amp_f16_scaled", "hand_f16_scaled", 1.05),
+            ("f16", "amp_f16_scaled", "hand_f16_scaled", 1.00),
         )
+    ),
+    # Half precision halves every residual it touches (the floor is 0.50):
+    # norm regions and the loss save their half-precision inputs and per-row
+    # statistics, not float32 activations (issue 26).
+    *(
+        Target(
+            f"{name}: amp {dtype} / float32 residual bytes",
+            "residuals",
+            _variant_ratio(model, "residual_bytes", amp, "f32"),
+            0.51,
+        )
+        for model, name in _WORKLOADS.items()
+        for dtype, amp in (("bf16", "amp_bf16"), ("f16", "amp_f16_scaled"))
     ),
     *(
         Target(

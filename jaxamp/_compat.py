@@ -79,6 +79,7 @@ __all__ = [
     "primitives_by_name",
     "remat_p",
     "saved_residuals",
+    "bind_remat",
     "scan_layout",
     "scan_p",
     "scan_params_with_extra_consts",
@@ -385,6 +386,20 @@ def trace_to_jaxpr_with_consts_as_inputs(
     closed = trace_to_closed_jaxpr(fn, in_avals)
     jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
     return ClosedJaxpr(jaxpr, ()), list(closed.consts)
+
+
+def bind_remat(program: ClosedJaxpr, consts: Sequence[Any], args: Sequence[Any], policy: Callable) -> list:
+    """``jax.checkpoint(program, policy=policy)(*args)``, binding JAX's remat primitive directly.
+
+    `program` takes its constants as leading inputs (see
+    `trace_to_jaxpr_with_consts_as_inputs`). Binding the same jaxpr object at
+    every call, as `jax.checkpoint` (which traces afresh) cannot, lets JAX's
+    caches of its derivatives (JVP, partial evaluation, transpose: keyed by the
+    jaxpr) serve every call.
+    """
+    return remat_p.bind(
+        *consts, *args, jaxpr=program.jaxpr, prevent_cse=True, differentiated=False, policy=policy
+    )
 
 
 @_internal

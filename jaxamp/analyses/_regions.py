@@ -111,13 +111,9 @@ class Regions:
         """Whether the jaxpr has any region to track."""
         return bool(self._exits)
 
-    def run_end(self, index: int) -> int | None:
-        """Where the run of region equations starting at `index` ends (exclusive), or None."""
-        return self._run_ends.get(index)
-
-    def exits(self, index: int) -> tuple[int, ...]:
-        """The outputs of equation `index` used outside its region (or returned)."""
-        return self._exits.get(index, ())
+    def runs(self) -> dict[int, int]:
+        """Contiguous runs of one region's equations that hand something on: start -> end (exclusive)."""
+        return self._run_ends
 
     def hand_on(self, index: int, eqn: Any, invals: Sequence[Any], outvals: list, compute_dtype) -> list:
         """`outvals` of equation `index`, those leaving a region rounded to `compute_dtype`."""

@@ -231,18 +231,26 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         for v, value in zip(eqn.outvars, outvals, strict=True):
             _write(env, v, value)
 
-    # Diagnostics watch every equation's value, so they see regions unwrapped.
-    recompute_regions = regions.active and ctx.observer is None and not ctx.inline
+    # Diagnostics watch every equation's value, so they see everything unwrapped.
+    recomputed, last_use = {}, {}
+    if ctx.observer is None and not ctx.inline:
+        recomputed = _recomputed_runs(jaxpr, regions.runs(), tail)
+    if recomputed:
+        last_use = _last_uses(jaxpr)
     casts: dict = {}  # see `shared_casts`
     i = 0
     while i < len(jaxpr.eqns):
-        end = regions.run_end(i) if recompute_regions else None
-        if end is None:
+        run = recomputed.get(i)
+        if run is None:
             evaluate(i, jaxpr.eqns[i], env, casts)
             i += 1
         else:
-            _evaluate_recomputed(jaxpr, range(i, end), regions, env, evaluate)
-            i = end
+            key = (
+                ctx.compute_dtype, ctx.policy, ctx.scopes, ctx.tail,
+                tuple((k in plan.statistics, k in plan.bounded, k in tail) for k in run),
+            )  # fmt: skip
+            _evaluate_recomputed(jaxpr, run, last_use, env, evaluate, key)
+            i = run.stop
     return [_read(env, v) for v in jaxpr.outvars]
 
 
@@ -255,18 +263,67 @@ def _write(env: dict, v: Any, value: Any) -> None:
         env[v] = value
 
 
-def _evaluate_recomputed(
-    jaxpr: Any, run: range, regions: Regions, env: dict, evaluate: Callable
-) -> None:
-    """Evaluate the region equations `run` under `jax.checkpoint`, saving their inputs and reductions.
+def _recomputed_runs(jaxpr: Any, region_runs: dict[int, int], tail: frozenset[int]) -> dict[int, range]:
+    """The runs of equations amp evaluates under `jax.checkpoint`, by their first index.
 
-    A norm region runs in float32 (`use_normalisation_precision`) on an input
-    that arrives in the compute dtype. Differentiated as is, it would save
-    float32 activations (the centred and normalised values) for the backward
-    pass; under `jax.checkpoint` it saves its half-precision input and the
-    per-row statistics (the region's reductions: a few bytes per row), and the
+    Runs of a norm region's equations (`Regions.runs`) and of the program's
+    tail (`jaxamp.analyses._tail`): both run in float32 on values that arrive
+    in the compute dtype, so saving their inputs and reductions and recomputing
+    the rest keeps float32 activations out of the residuals (see
+    `_evaluate_recomputed`). A region inside the tail is part of the tail's
+    run. Runs with side effects (a `jax.debug.print`) are left alone: a
+    recompute would repeat them.
+    """
+    runs = {}
+    covered: set[int] = set()
+    for start in sorted(tail):
+        if start - 1 in tail:
+            continue
+        end = start
+        while end in tail:
+            end += 1
+        runs[start] = range(start, end)
+        covered.update(range(start, end))
+    for start, end in region_runs.items():
+        if start not in covered:
+            runs[start] = range(start, end)
+    return {
+        start: run
+        for start, run in runs.items()
+        if not any(jaxpr.eqns[k].effects for k in run)
+    }
+
+
+def _last_uses(jaxpr: Any) -> dict[Any, int]:
+    """The index of the last equation reading each variable (``len(eqns)``: an output)."""
+    last = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, _compat.Literal):
+                last[v] = i
+    for v in jaxpr.outvars:
+        if not isinstance(v, _compat.Literal):
+            last[v] = len(jaxpr.eqns)
+    return last
+
+
+def _evaluate_recomputed(
+    jaxpr: Any, run: range, last_use: dict[Any, int], env: dict, evaluate: Callable, context: Any
+) -> None:
+    """Evaluate the equations `run` under `jax.checkpoint`, saving their inputs and reductions.
+
+    A norm region runs in float32 (`use_normalisation_precision`), and so does
+    the program's tail, on inputs that arrive in the compute dtype.
+    Differentiated as is, they would save float32 activations (a norm's
+    centred and normalised values, the loss's softmax) for the backward pass;
+    under `jax.checkpoint` they save their half-precision inputs and their
+    reductions' results (per-row statistics: a few bytes per row), and the
     backward pass recomputes the rest in float32 from them, as apex's
     memory-efficient LayerNorm does. Values and gradients are the same.
+
+    Runs of the same structure (every layer's norm in an unrolled model) share
+    one traced program, `context` (what else decides how amp rewrites them)
+    being equal: JAX then differentiates it once, not once per layer.
     """
     eqns = [jaxpr.eqns[k] for k in run]
     defined: set = set()
@@ -275,18 +332,65 @@ def _evaluate_recomputed(
         for v in eqn.invars:
             if not isinstance(v, _compat.Literal) and v not in defined and v not in inputs:
                 inputs.append(v)
-        defined.update(eqn.outvars)
-    outputs = [eqn.outvars[k] for i, eqn in zip(run, eqns) for k in regions.exits(i)]
+        defined.update(v for v in eqn.outvars if not isinstance(v, _compat.DropVar))
+    outputs = [v for eqn in eqns for v in eqn.outvars if last_use.get(v, -1) >= run.stop]
 
-    def region(*values: Any) -> list:
+    def recompute(*values: Any) -> list:
         local = dict(zip(inputs, values))
         casts: dict = {}  # casts made in this trace stay in it
         for i, eqn in zip(run, eqns):
             evaluate(i, eqn, local, casts)
         return [local[v] for v in outputs]
 
-    recomputed = jax.checkpoint(region, policy=_save_reductions)
-    env.update(zip(outputs, recomputed(*[env[v] for v in inputs])))
+    values = [env[v] for v in inputs]
+    key = _structure(eqns, inputs, outputs)
+    if key is not None:
+        key = (key, context, tuple(_compat.abstract_value(x) for x in values))
+    program = _RECOMPUTED.get(key) if key is not None else None
+    if program is None:
+        program = _compat.trace_to_jaxpr_with_consts_as_inputs(
+            recompute, [_compat.abstract_value(x) for x in values]
+        )
+        if key is not None and not any(isinstance(c, jax.core.Tracer) for c in program[1]):
+            _RECOMPUTED[key] = program
+            if len(_RECOMPUTED) > _RECOMPUTED_MAXSIZE:
+                del _RECOMPUTED[next(iter(_RECOMPUTED))]
+    closed, consts = program
+    env.update(zip(outputs, _compat.bind_remat(closed, consts, values, _save_reductions)))
+
+
+# Traced recomputed runs by structure (see `_evaluate_recomputed`), oldest first.
+_RECOMPUTED: dict[Any, tuple[Any, list]] = {}
+_RECOMPUTED_MAXSIZE = 256
+
+
+def _structure(eqns: list, inputs: list, outputs: list) -> Any:
+    """A hashable description of a run of equations: what each computes from what.
+
+    Two runs with the same description (primitives, parameters, named scopes,
+    literals and wiring) are the same computation. None when a parameter or
+    literal cannot be hashed.
+    """
+    where = {v: ("in", k) for k, v in enumerate(inputs)}
+    parts = []
+    for position, eqn in enumerate(eqns):
+        operands = []
+        for v in eqn.invars:
+            if isinstance(v, _compat.Literal):
+                operands.append(("literal", np.asarray(v.val).dtype.str, np.asarray(v.val).tobytes()))
+            else:
+                operands.append(where[v])
+        parts.append(
+            (eqn.primitive, tuple(sorted(eqn.params.items())), tuple(operands), _compat.eqn_scopes(eqn))
+        )
+        for k, v in enumerate(eqn.outvars):
+            where[v] = ("eqn", position, k)
+    key = (tuple(parts), tuple(where[v] for v in outputs))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"})
