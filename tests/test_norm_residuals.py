@@ -1,10 +1,11 @@
-"""Norm regions save their half-precision input and per-row statistics, not float32 activations.
+"""Norm regions and the loss save their half-precision input, not float32 activations.
 
 A norm layer's scope (`use_normalisation_precision`, the default for
 Equinox's norm layers) runs in float32 on an activation that arrives in the
-compute dtype. amp evaluates the region under `jax.checkpoint`, saving its
-input and its reductions (the per-row sums), so the backward pass recomputes
-the centred and normalised values in float32 instead of keeping them.
+compute dtype, and so does the program's tail (the loss). amp evaluates both
+under `jax.checkpoint`, saving their inputs, so the backward pass recomputes
+the statistics and the centred and normalised values (the loss's softmax) in
+float32 instead of keeping them.
 
 Tolerances: recomputing changes no value, so the gradients equal those of
 the same program evaluated without the checkpoint (amp's inline evaluation,
@@ -54,17 +55,14 @@ def _bytes(residuals):
 
 
 @pytest.mark.parametrize("norm", [eqx.nn.LayerNorm(WIDTH), eqx.nn.RMSNorm(WIDTH)], ids=["LayerNorm", "RMSNorm"])
-def test_norm_saves_its_bf16_input_and_row_statistics(norm):
+def test_norm_and_loss_save_their_bf16_inputs(norm):
     params, x = _block(norm)
     amp_loss = jaxamp.amp(_loss, compute_dtype="bf16")
     residuals = _residuals(amp_loss, params, x)
-    # No float32 value of the activation's size, but the loss's own tail (the
-    # last matmul's output, upcast for the float32 loss: one per program).
-    activation_f32 = [r for r in residuals if r == (np.dtype(np.float32), (ROWS, WIDTH))]
-    assert len(activation_f32) <= 1, residuals
-    assert (np.dtype(jnp.bfloat16), (ROWS, WIDTH)) in residuals
-    row_statistics = [r for r in residuals if r[1] in ((ROWS,), (ROWS, 1))]
-    assert row_statistics and all(dtype == np.float32 for dtype, _ in row_statistics), residuals
+    # No float32 value of the activation's size: the norm's input and the
+    # loss's input (the last matmul's output) are saved in bf16.
+    assert not [r for r in residuals if r[0] == np.float32 and r[1] == (ROWS, WIDTH)], residuals
+    assert residuals.count((np.dtype(jnp.bfloat16), (ROWS, WIDTH))) >= 2, residuals
     # Against the all-bf16 hand-cast block and against float32.
     assert _bytes(residuals) <= 1.0 * _bytes(_residuals(_hand_cast_bf16, params, x))
     assert _bytes(residuals) <= 0.51 * _bytes(_residuals(_loss, params, x))
@@ -75,6 +73,9 @@ def _relative(got, want):
 
 
 def test_gradients_are_unchanged_and_the_statistics_stay_float32():
+    # (Under `jit` too: XLA may skip rounding a bf16 value in the forward
+    # pass; the recompute must not mix statistics of the unrounded value with
+    # the rounded one: see `test_jit_gradients_of_a_recomputed_loss`.)
     params, x = _block(eqx.nn.LayerNorm(WIDTH))
     grads = jax.grad(jaxamp.amp(_loss, compute_dtype="bf16"))(params, x)
     options = AmpOptions.resolve(compute_dtype="bf16")
@@ -139,3 +140,22 @@ def test_find_nonfinite_still_sees_every_equation_of_a_region():
     # Finite in bf16 (max 3.4e38), but squared in the norm's float32 statistics: inf.
     report = jaxamp.find_nonfinite(_loss, compute_dtype="bf16")(params, x.at[2].set(1e20))
     assert report is not None and "LayerNorm" in report.scope, report
+
+
+def test_jit_gradients_of_a_recomputed_loss():
+    # A loss recomputed from saved statistics of an unrounded forward value
+    # and a rounded saved input disagreed with itself under jit by 2.7%
+    # (cosine 0.972 against float32 on this model): nothing but the input is saved.
+    t, d, v = 8, 16, 16
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, e = jax.random.normal(k[0], (t, d)), jax.random.normal(k[1], (v, d))
+    tokens = jax.random.randint(k[2], (t,), 0, v)
+
+    def loss(e, x):
+        logits = x @ e.T
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(t), tokens])
+
+    amp_loss = jaxamp.amp(loss, compute_dtype="bf16")
+    eager, jitted = jax.grad(amp_loss)(e, x), jax.jit(jax.grad(amp_loss))(e, x)
+    assert _relative(jitted, eager) < 1e-2
+    assert _relative(jitted, jax.grad(loss)(e, x)) < 1e-2
