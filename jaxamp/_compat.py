@@ -49,6 +49,7 @@ __all__ = [
     "Var",
     "Zero",
     "abstract_value",
+    "bind_remat",
     "ambient_scopes",
     "call_body",
     "closed_call_p",
@@ -79,7 +80,6 @@ __all__ = [
     "primitives_by_name",
     "remat_p",
     "saved_residuals",
-    "bind_remat",
     "scan_layout",
     "scan_p",
     "scan_params_with_extra_consts",
@@ -690,7 +690,7 @@ def legacy_context_mesh() -> Any:
     return mesh
 
 
-# --- matmul cotangents (jaxamp/_accumulation.py, jaxamp/_fp8.py) ---
+# --- matmul cotangents (jaxamp/transform/_accumulation.py, jaxamp/fp8/_matmul.py) ---
 # JAX's own transpose rule of a matmul, called with the operands amp holds (half
 # precision, or float8) and the accumulation dtype amp wants: the same dimension
 # numbers, output shardings and varying axes as JAX's autodiff would give, at
@@ -722,7 +722,7 @@ def matmul_cotangents(
     return d_lhs, d_rhs
 
 
-# --- devices deciding together (jaxamp/_finite.py) ---
+# --- devices deciding together (jaxamp/scaling/_finite.py) ---
 # Inside `shard_map` (and `jax.pmap`, which JAX 0.10+ runs as a shard_map) the
 # abstract mesh names the manual axes, and with ``check_vma=True`` every value's
 # type records the manual axes it varies over. Neither has a public accessor on
@@ -756,7 +756,7 @@ def zeros_like_aval(aval: Any) -> jax.Array:
     return _zeros_like_aval(aval)
 
 
-# --- flax nnx (jaxamp/_nnx.py) ---
+# --- flax nnx (jaxamp/transform/_nnx.py) ---
 # Called only once the program itself has imported flax.nnx: jaxamp never
 # imports flax. flax 0.12 added a tree mode (``nnx.set_graph_mode(False)``, or
 # ``graph=False``) that cannot express Variables shared between modules; amp

@@ -101,20 +101,23 @@ class AmpOptions:
         """
         with _collection_paused():
             closed, flat_args, num_outs, rebuild, reusable = _trace(fn, args, kwargs)
-            ctx = self._context()
+            # An eager call is never differentiated (under `jax.grad` its
+            # arguments are tracers and it takes `run`): no recomputation.
+            ctx = self._context(recompute=False)
             program = _compat.trace_keeping_calls(
                 lambda *flat: self._evaluate(closed, flat, num_outs, ctx),
                 [_compat.abstract_value(x) for x in flat_args],
             )
         return program, flat_args, rebuild, reusable
 
-    def _context(self, observer=None, inline=False) -> AmpContext:
+    def _context(self, observer=None, inline=False, recompute=True) -> AmpContext:
         return AmpContext(
             compute_dtype=self.compute_dtype,
             policy=self.policy_table(),
             scopes=_compat.ambient_scopes(),
             observer=observer,
             inline=inline,
+            recompute=recompute,
         )
 
     def _evaluate(self, closed: Any, flat_args: Any, num_outs: int, ctx: AmpContext) -> list:

@@ -119,6 +119,9 @@ class AmpContext:
             it with at this call site (see `jaxamp.analyses._statistics`).
         tail: the jaxpr is the body of an equation in the program's tail (see
             `jaxamp.analyses._tail`): all of it runs by the ``"amp_tail"`` entry.
+        recompute: evaluate norm regions and the program's tail under
+            `jax.checkpoint` (see `_evaluate_recomputed`); off for programs
+            that are never differentiated (eager calls), where it only costs.
     """
 
     compute_dtype: np.dtype
@@ -130,6 +133,7 @@ class AmpContext:
     call_sites: tuple[Any, ...] = ()
     statistics_inputs: tuple[Any, tuple] | None = None
     tail: bool = False
+    recompute: bool = True
 
     def nested(self, eqn: Any, statistics_inputs: tuple[Any, tuple] | None = None) -> AmpContext:
         """The context for the bodies of `eqn`, a higher-order equation."""
@@ -233,7 +237,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
 
     # Diagnostics watch every equation's value, so they see everything unwrapped.
     recomputed, last_use = {}, {}
-    if ctx.observer is None and not ctx.inline:
+    if ctx.recompute and ctx.observer is None and not ctx.inline:
         recomputed = _recomputed_runs(jaxpr, regions.runs(), tail)
     if recomputed:
         last_use = _last_uses(jaxpr)
