@@ -249,9 +249,15 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
             evaluate(i, jaxpr.eqns[i], env, casts)
             i += 1
         else:
+            # What else decides how amp rewrites the run's equations: the
+            # context, and the statistics plan (of the equations and of the
+            # bodies they call, planned with their operands' classes).
             key = (
                 ctx.compute_dtype, ctx.policy, ctx.scopes, ctx.tail,
-                tuple((k in plan.statistics, k in plan.bounded, k in tail) for k in run),
+                tuple(
+                    (k in plan.statistics, k in plan.bounded, k in tail, plan.call_inputs.get(k))
+                    for k in run
+                ),
             )  # fmt: skip
             _evaluate_recomputed(jaxpr, run, last_use, env, evaluate, key)
             i = run.stop
@@ -350,6 +356,10 @@ def _evaluate_recomputed(
     key = _structure(eqns, inputs, outputs)
     if key is not None:
         key = (key, context, tuple(_compat.abstract_value(x) for x in values))
+        try:
+            hash(key)
+        except TypeError:  # an unhashable part of the context: traced afresh
+            key = None
     program = _RECOMPUTED.get(key) if key is not None else None
     if program is None:
         program = _compat.trace_to_jaxpr_with_consts_as_inputs(
