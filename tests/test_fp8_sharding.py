@@ -72,7 +72,6 @@ def test_a_mesh_after_another_with_the_same_shapes():
                 *_sharded_args(mesh, "fsdp")
             )
         results.setdefault(mode, []).append(grads)
-        assert jax.typeof(grads["w1"]).sharding.spec[0] in ("data", ("data",), None)
     for name in results["auto"][0]:
         np.testing.assert_array_equal(results["auto"][0][name], results["auto"][1][name])
         assert _relative_error(results["explicit"][0][name], results["auto"][0][name]) < TOLERANCE
