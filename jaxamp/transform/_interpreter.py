@@ -328,7 +328,7 @@ def _evaluate_recomputed(
     centred and normalised values, the loss's softmax) for the backward pass;
     under `jax.checkpoint` they save their half-precision inputs, and the
     backward pass recomputes the rest in float32 from them, statistics
-    included (see `_save_nothing`), as apex's memory-efficient LayerNorm
+    included (see the comment on the policy below), as apex's memory-efficient LayerNorm
     recomputes from what it saved. Values and gradients are the same.
 
     Runs of the same structure (every layer's norm in an unrolled model) share
@@ -337,12 +337,13 @@ def _evaluate_recomputed(
     """
     eqns = [jaxpr.eqns[k] for k in run]
     defined: set = set()
-    inputs: list = []
+    read_first: dict = {}  # the run's inputs, in order of first use
     for eqn in eqns:
         for v in eqn.invars:
-            if not isinstance(v, _compat.Literal) and v not in defined and v not in inputs:
-                inputs.append(v)
-        defined.update(v for v in eqn.outvars if not isinstance(v, _compat.DropVar))
+            if not isinstance(v, _compat.Literal) and v not in defined:
+                read_first.setdefault(v, None)
+        defined.update(eqn.outvars)
+    inputs = list(read_first)
     outputs = [v for eqn in eqns for v in eqn.outvars if last_use.get(v, -1) >= run.stop]
 
     def recompute(*values: Any) -> list:
@@ -353,24 +354,28 @@ def _evaluate_recomputed(
         return [local[v] for v in outputs]
 
     values = [env[v] for v in inputs]
-    key = _structure(eqns, inputs, outputs)
-    if key is not None:
-        key = (key, context, tuple(_compat.abstract_value(x) for x in values))
-        try:
-            hash(key)
-        except TypeError:  # an unhashable part of the context: traced afresh
-            key = None
-    program = _RECOMPUTED.get(key) if key is not None else None
+    avals = [_compat.abstract_value(x) for x in values]
+    key: Any = (_structure(eqns, inputs, outputs), context, tuple(avals))
+    try:
+        program = _RECOMPUTED.get(key)
+    except TypeError:  # an unhashable parameter, literal or context: traced afresh
+        key, program = None, None
     if program is None:
-        program = _compat.trace_to_jaxpr_with_consts_as_inputs(
-            recompute, [_compat.abstract_value(x) for x in values]
-        )
+        program = _compat.trace_to_jaxpr_with_consts_as_inputs(recompute, avals)
         if key is not None and not any(isinstance(c, jax.core.Tracer) for c in program[1]):
             _RECOMPUTED[key] = program
             if len(_RECOMPUTED) > _RECOMPUTED_MAXSIZE:
                 del _RECOMPUTED[next(iter(_RECOMPUTED))]
     closed, consts = program
-    env.update(zip(outputs, _compat.bind_remat(closed, consts, values, _save_nothing)))
+    # Saving nothing but the inputs, not even the run's reductions (a norm's
+    # row sums, a softmax's normaliser): XLA may skip rounding the run's
+    # half-precision input in the forward pass (it allows excess precision)
+    # while the recompute reads the rounded value, so saved statistics could
+    # disagree with the recomputed values they normalise (a 2.7% gradient
+    # error measured on a transformer's loss). Recomputed from one input,
+    # forward and backward agree.
+    nothing_saveable = jax.checkpoint_policies.nothing_saveable
+    env.update(zip(outputs, _compat.bind_remat(closed, consts, values, nothing_saveable)))
 
 
 # Traced recomputed runs by structure (see `_evaluate_recomputed`), oldest first.
@@ -378,12 +383,12 @@ _RECOMPUTED: dict[Any, tuple[Any, list]] = {}
 _RECOMPUTED_MAXSIZE = 256
 
 
-def _structure(eqns: list, inputs: list, outputs: list) -> Any:
-    """A hashable description of a run of equations: what each computes from what.
+def _structure(eqns: list, inputs: list, outputs: list) -> tuple:
+    """A description of a run of equations: what each computes from what.
 
     Two runs with the same description (primitives, parameters, named scopes,
-    literals and wiring) are the same computation. None when a parameter or
-    literal cannot be hashed.
+    literals and wiring) are the same computation. Hashable unless a
+    parameter is.
     """
     where = {v: ("in", k) for k, v in enumerate(inputs)}
     parts = []
@@ -391,7 +396,8 @@ def _structure(eqns: list, inputs: list, outputs: list) -> Any:
         operands = []
         for v in eqn.invars:
             if isinstance(v, _compat.Literal):
-                operands.append(("literal", np.asarray(v.val).dtype.str, np.asarray(v.val).tobytes()))
+                literal = np.asarray(v.val)
+                operands.append(("literal", literal.dtype.str, literal.tobytes()))
             else:
                 operands.append(where[v])
         parts.append(
@@ -399,23 +405,7 @@ def _structure(eqns: list, inputs: list, outputs: list) -> Any:
         )
         for k, v in enumerate(eqn.outvars):
             where[v] = ("eqn", position, k)
-    key = (tuple(parts), tuple(where[v] for v in outputs))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _save_nothing(*_: Any, **__: Any) -> bool:
-    # A `jax.checkpoint` policy: the recomputed run saves only its inputs. Not
-    # even its reductions (a norm's row sums, a softmax's normaliser): XLA may
-    # skip rounding the run's half-precision input in the forward pass (it
-    # allows excess precision), while the recompute reads the rounded value, so
-    # saved statistics could disagree with the recomputed values they
-    # normalise (a 2.7% gradient error measured on a transformer's loss).
-    # Recomputed from one input, forward and backward agree.
-    return False
+    return tuple(parts), tuple(where[v] for v in outputs)
 
 
 def _for_program(ctx: AmpContext, jaxpr: Any) -> AmpContext:

@@ -369,17 +369,16 @@ def module_scopes(nodes: tuple) -> Iterator[None]:
     if not paths or not classes:
         yield
         return
-    classes_in_order = sorted(classes, key=lambda cls: cls.__qualname__)
-    _wrap(classes_in_order)
+    _wrap(classes)
     token = _SCOPE_PATHS.set({**_SCOPE_PATHS.get(), **paths})
     try:
         yield
     finally:
         _SCOPE_PATHS.reset(token)
-        _unwrap(classes_in_order)
+        _unwrap(classes)
 
 
-def _wrap(classes: list[type]) -> None:
+def _wrap(classes: set[type]) -> None:
     with _WRAPPED_LOCK:
         for cls in classes:
             if cls in _WRAPPED:
@@ -389,7 +388,7 @@ def _wrap(classes: list[type]) -> None:
             cls.__call__ = _scoped(cls.__call__)
 
 
-def _unwrap(classes: list[type]) -> None:
+def _unwrap(classes: set[type]) -> None:
     with _WRAPPED_LOCK:
         for cls in classes:
             entry = _WRAPPED[cls]
