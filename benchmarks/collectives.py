@@ -89,26 +89,38 @@ def _step(mode: str, scaled: bool, float32_reductions: bool, mesh, compute_dtype
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp"), P()), out_specs=(P(), P(), P())))
 
 
+def _compiled_all_reduces(axis_type: AxisType, steps: dict) -> dict:
+    """``{key: {"all-reduces", "bytes", "operands"}}`` of each step compiled on a DEVICES-long mesh.
+
+    `steps` maps a key to ``make(mesh) -> step``; every step is compiled for the
+    same replicated parameters, batch split along "dp" and scaler state.
+    """
+    mesh = jax.make_mesh((DEVICES,), ("dp",), axis_types=(axis_type,), devices=jax.devices()[:DEVICES])
+    found = {}
+    with jax.set_mesh(mesh):
+        params = jax.device_put(_params(), NamedSharding(mesh, P()))
+        x = jax.device_put(jnp.ones((BATCH, D)), NamedSharding(mesh, P("dp")))
+        state = jaxamp.DynamicScalerState()
+        for key, make in steps.items():
+            reduces = all_reduces(make(mesh).lower(params, x, state).compile().as_text())
+            found[key] = {
+                "all-reduces": len(reduces),
+                "bytes": sum(size for _, size in reduces),
+                "operands": "; ".join(types for types, _ in reduces),
+            }
+    return found
+
+
 def measure() -> list[dict]:
     """One row per (mode, scaler, reductions): the compiled step's all-reduces."""
     rows = []
     for mode, axis_type in (("jit", AxisType.Explicit), ("shard_map", AxisType.Auto)):
-        mesh = jax.make_mesh((DEVICES,), ("dp",), axis_types=(axis_type,), devices=jax.devices()[:DEVICES])
-        with jax.set_mesh(mesh):
-            params = jax.device_put(_params(), NamedSharding(mesh, P()))
-            x = jax.device_put(jnp.ones((BATCH, D)), NamedSharding(mesh, P("dp")))
-            state = jaxamp.DynamicScalerState()
-            for scaled, f32 in ((False, False), (True, False), (True, True)):
-                hlo = _step(mode, scaled, f32, mesh).lower(params, x, state).compile().as_text()
-                found = all_reduces(hlo)
-                rows.append({
-                    "mode": mode,
-                    "loss scaler": scaled,
-                    "float32_gradient_reductions": f32,
-                    "all-reduces": len(found),
-                    "bytes": sum(size for _, size in found),
-                    "operands": "; ".join(types for types, _ in found),
-                })  # fmt: skip
+        steps = {
+            (scaled, f32): (lambda mesh, mode=mode, scaled=scaled, f32=f32: _step(mode, scaled, f32, mesh))
+            for scaled, f32 in ((False, False), (True, False), (True, True))
+        }
+        for (scaled, f32), figures in _compiled_all_reduces(axis_type, steps).items():
+            rows.append({"mode": mode, "loss scaler": scaled, "float32_gradient_reductions": f32, **figures})
     return rows
 
 
@@ -116,21 +128,12 @@ def measure_fp8() -> list[dict]:
     """One row per (mode, compute dtype): the compiled data-parallel step's all-reduces."""
     rows = []
     for mode, axis_type in (("jit", AxisType.Explicit), ("jit", AxisType.Auto), ("shard_map", AxisType.Auto)):
-        mesh = jax.make_mesh((DEVICES,), ("dp",), axis_types=(axis_type,), devices=jax.devices()[:DEVICES])
-        with jax.set_mesh(mesh):
-            params = jax.device_put(_params(), NamedSharding(mesh, P()))
-            x = jax.device_put(jnp.ones((BATCH, D)), NamedSharding(mesh, P("dp")))
-            state = jaxamp.DynamicScalerState()
-            for compute_dtype in ("bf16", "fp8"):
-                step = _step(mode, False, False, mesh, compute_dtype)
-                found = all_reduces(step.lower(params, x, state).compile().as_text())
-                rows.append({
-                    "mode": f"{mode} ({axis_type.name})",
-                    "compute dtype": compute_dtype,
-                    "all-reduces": len(found),
-                    "bytes": sum(size for _, size in found),
-                    "operands": "; ".join(types for types, _ in found),
-                })  # fmt: skip
+        steps = {
+            dtype: (lambda mesh, mode=mode, dtype=dtype: _step(mode, False, False, mesh, dtype))
+            for dtype in ("bf16", "fp8")
+        }
+        for dtype, figures in _compiled_all_reduces(axis_type, steps).items():
+            rows.append({"mode": f"{mode} ({axis_type.name})", "compute dtype": dtype, **figures})
     return rows
 
 

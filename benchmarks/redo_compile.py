@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import jax
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
+from benchmarks.measure import runnable_seconds
 
 __all__ = ["measure", "main", "TARGET"]
 
@@ -65,12 +65,7 @@ def _time_to_runnable(redo_on_nan: int, loss: Callable, args: tuple) -> tuple[fl
         jaxamp.amp(loss, compute_dtype="f16"), redo_on_nan=redo_on_nan
     )
     step = jax.jit(lambda s, *a: grad_fn(*a, dynamic_scaler_state=s))
-    jax.clear_caches()
-    start = time.perf_counter()
-    lowered = step.lower(jaxamp.DynamicScalerState(), *args)
-    lowered_at = time.perf_counter()
-    lowered.compile()
-    return lowered_at - start, time.perf_counter() - lowered_at
+    return runnable_seconds(step, jaxamp.DynamicScalerState(), *args)
 
 
 def measure(model: str = "mlp", repeats: int = 3) -> dict:

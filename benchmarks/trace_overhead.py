@@ -47,7 +47,7 @@ import jax
 
 import jaxamp
 from benchmarks import targets, worker
-from benchmarks.measure import median_lower_seconds
+from benchmarks.measure import median_lower_seconds, runnable_seconds
 from benchmarks.variants import hand_cast
 from benchmarks.workloads import SIZES, trace_workloads
 
@@ -207,12 +207,9 @@ def runnable(
         for round_ in range(rounds + 1):
             for name in FUNCTIONS:
                 step = jax.jit(_value_and_grad_builder(workload.loss_fn, name, compute_dtype)())
-                jax.clear_caches()
-                gc.collect()
-                start = time.perf_counter()
-                step.lower(*args).compile()
+                seconds = sum(runnable_seconds(step, *args))
                 if round_:  # the first round fills JAX's own Python-level state
-                    samples[name].append(time.perf_counter() - start)
+                    samples[name].append(seconds)
         results[key] = _summary({name: statistics.median(t) for name, t in samples.items()})
     return results
 
