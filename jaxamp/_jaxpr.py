@@ -8,12 +8,12 @@ program.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from . import _compat
 
-__all__ = ["COMPUTE_PRIMITIVES", "MATMUL_NAMES", "bodies", "equation_flops", "matmuls_in"]
+__all__ = ["COMPUTE_PRIMITIVES", "MATMUL_NAMES", "bodies", "equation_flops", "holds_matmul", "matmuls_in", "merge_runs"]
 
 # The primitives amp runs in the compute dtype: matmuls, convolutions and the
 # grouped matmul of mixture-of-experts layers.
@@ -46,6 +46,25 @@ def matmuls_in(jaxpr: Any, *, enter: Callable[[Any], bool] | None = None) -> Ite
             continue
         for body in bodies(eqn):
             yield from matmuls_in(body, enter=enter)
+
+
+def holds_matmul(eqn: Any) -> bool:
+    """Whether `eqn` is a matmul or carries one in a body (a call, a loop...)."""
+    return eqn.primitive.name in MATMUL_NAMES or any(
+        next(matmuls_in(body), None) is not None for body in bodies(eqn)
+    )
+
+
+def merge_runs(runs: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """Runs of equations (start, end exclusive) with overlapping ones merged: start -> end."""
+    merged: dict[int, int] = {}
+    last = None
+    for start, end in sorted(runs):
+        if last is not None and start < merged[last]:
+            merged[last] = max(merged[last], end)
+        else:
+            merged[start], last = end, start
+    return merged
 
 
 def equation_flops(eqn: Any) -> int:

@@ -1,11 +1,12 @@
-"""Norm regions and the loss save their half-precision input, not float32 activations.
+"""Norm layers and the loss save their half-precision input, not float32 activations.
 
 A norm layer's scope (`use_normalisation_precision`, the default for
 Equinox's norm layers) runs in float32 on an activation that arrives in the
-compute dtype, and so does the program's tail (the loss). amp evaluates both
-under `jax.checkpoint`, saving their inputs, so the backward pass recomputes
-the statistics and the centred and normalised values (the loss's softmax) in
-float32 instead of keeping them.
+compute dtype, and so do the norms the statistics pass finds (flax's and
+haiku's layers, `jax.nn.standardize`) and the program's tail (the loss). amp
+evaluates each under `jax.checkpoint`, saving its inputs, so the backward
+pass recomputes the statistics and the centred and normalised values (the
+loss's softmax) in float32 instead of keeping them.
 
 Tolerances: recomputing changes no value, so the gradients equal those of
 the same program evaluated without the checkpoint (amp's inline evaluation,
@@ -165,3 +166,72 @@ def test_eager_calls_are_not_wrapped_for_recomputation():
     assert not any(e.primitive is _compat.remat_p for e in iter_eqns(program))
     traced = jax.make_jaxpr(jaxamp.amp(_loss, compute_dtype="bf16"))(params, x)
     assert any(e.primitive is _compat.remat_p for e in iter_eqns(traced))
+
+
+def _found_norm(kind):
+    """``(apply(params, h), params)`` of a norm layer with no Equinox scope."""
+    h = jnp.ones((ROWS, WIDTH))
+    if kind.startswith("linen"):
+        import flax.linen as nn
+
+        layer = nn.LayerNorm() if kind == "linen.LayerNorm" else nn.RMSNorm()
+        return layer.apply, layer.init(jax.random.PRNGKey(5), h)
+    if kind == "haiku.LayerNorm":
+        import haiku as hk
+
+        norm = hk.without_apply_rng(
+            hk.transform(lambda h: hk.LayerNorm(-1, create_scale=True, create_offset=True)(h))
+        )
+        return norm.apply, norm.init(jax.random.PRNGKey(5), h)
+    if kind == "jax.nn.standardize":
+        return (lambda params, h: jax.nn.standardize(h, axis=-1) * params), jnp.ones(WIDTH)
+    assert kind == "hand-written"
+
+    def layer_norm(params, h):
+        # As GPT ports write it: normalise, then scale and shift.
+        scale, bias = params
+        mean = h.mean(-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(-1, keepdims=True)
+        return (h - mean) / jnp.sqrt(var + 1e-5) * scale + bias
+
+    return layer_norm, (jnp.ones(WIDTH), jnp.zeros(WIDTH))
+
+
+FOUND_NORMS = ["linen.LayerNorm", "linen.RMSNorm", "haiku.LayerNorm", "jax.nn.standardize", "hand-written"]
+
+
+@pytest.mark.parametrize("kind", FOUND_NORMS)
+def test_norms_the_statistics_pass_finds_save_their_bf16_input(kind):
+    apply, norm_params = _found_norm(kind)
+    (_, w1, w2), x = _block(None)
+    params = (norm_params, w1, w2)
+
+    def loss(params, x):
+        norm_params, w1, w2 = params
+        return jnp.mean((apply(norm_params, x @ w1) @ w2) ** 2)
+
+    def hand_cast(params, x):
+        params, x = jaxamp.cast_floating((params, x), jnp.bfloat16)
+        return loss(params, x).astype(jnp.float32)
+
+    amp_loss = jaxamp.amp(loss, compute_dtype="bf16")
+    residuals = _residuals(amp_loss, params, x)
+    assert not [r for r in residuals if r[0] == np.float32 and r[1] == (ROWS, WIDTH)], residuals
+    assert _bytes(residuals) <= 1.0 * _bytes(_residuals(hand_cast, params, x))
+    assert _bytes(residuals) <= 0.51 * _bytes(_residuals(loss, params, x))
+    # The statistics stay float32, in the forward pass and in the recompute.
+    jaxpr = jax.make_jaxpr(jax.grad(amp_loss))(params, x)
+    reductions = [e for e in iter_eqns(jaxpr) if e.primitive.name == "reduce_sum" and e.invars[0].aval.ndim == 2]
+    assert reductions and all(e.invars[0].aval.dtype == jnp.float32 for e in reductions)
+    assert any(e.primitive is _compat.remat_p for e in iter_eqns(jaxpr))
+    # Gradients, eager and under jit (where XLA may keep the forward pass's
+    # bf16 activation unrounded): bf16's error against float32, and the same
+    # as the program evaluated without the checkpoint.
+    options = AmpOptions.resolve(compute_dtype="bf16")
+    unwrapped = jax.grad(lambda p, x: options.run(loss, (p, x), {}, inline=True))(params, x)
+    want = jax.grad(loss)(params, x)
+    for grads in (jax.grad(amp_loss)(params, x), jax.jit(jax.grad(amp_loss))(params, x)):
+        for got, same, ref in zip(*(jax.tree.leaves(g) for g in (grads, unwrapped, want))):
+            assert got.dtype == jnp.float32
+            assert _relative(got, same) < 1e-2
+            assert _relative(got, ref) < 2e-2

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _compat
+from .._jaxpr import holds_matmul, merge_runs
 from . import _ranges
 
 __all__ = ["CONSTANT", "MOMENT", "NORMALISER", "OTHER", "StatisticsPlan", "plan_statistics"]
@@ -58,6 +59,8 @@ _TRANSPARENT = frozenset(
      "transpose", "reduce_precision", "pvary", "psum", "psum_invariant"}
 )
 _ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min", "neg"})
+# What a norm's affine part (``* scale + bias``) is made of.
+_AFFINE = _TRANSPARENT | {"add", "sub", "mul"}
 
 @dataclasses.dataclass(frozen=True)
 class StatisticsPlan:
@@ -75,6 +78,14 @@ class StatisticsPlan:
         summed_inputs: per input, whether the jaxpr sums it (it feeds a
             ``reduce_sum``, possibly through transparent ops or calls), so a
             caller knows a square passed in is a second moment.
+        statistic_outputs: per output, whether a statistics equation made it
+            (in this jaxpr or in a body it calls).
+        normalised_outputs: per output, whether it is a normalised activation.
+        norm_runs: contiguous runs of equations (start -> end, exclusive)
+            that compute a normalised activation from the activation alone:
+            its statistics, its centring and the normalising multiply (see
+            `_norm_runs`). The interpreter recomputes them in the backward
+            pass instead of saving their float32 values.
     """
 
     statistics: frozenset[int]
@@ -83,6 +94,9 @@ class StatisticsPlan:
     out_classes: tuple[int, ...]
     out_ranges: tuple[Any, ...]
     summed_inputs: tuple[bool, ...]
+    statistic_outputs: tuple[bool, ...] = ()
+    normalised_outputs: tuple[bool, ...] = ()
+    norm_runs: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -147,6 +161,10 @@ def _plan(
     }
     call_summed: dict[int, tuple[bool, ...]] = {}
     squares: dict[Any, int] = {}  # output of a square -> its equation's index
+    # Equations whose result is a normalised activation (a call's too), and
+    # the variables statistics equations made (in calls' bodies too).
+    normalised: set[int] = set()
+    made_by_statistics: set[Any] = set()
 
     # Closed-over scalars are constants like literals; closed-over arrays may
     # be data (running statistics captured by an inference function).
@@ -198,6 +216,9 @@ def _plan(
             outs = list(inner.out_classes)
             out_facts = _ranges.leave_call(inner.out_ranges, body.invars, operands, facts)
             ranges.update(zip(eqn.outvars, out_facts))
+            made_by_statistics.update(v for v, s in zip(eqn.outvars, inner.statistic_outputs) if s)
+            if any(inner.normalised_outputs):
+                normalised.add(i)
         elif name == "reduce_sum":
             outs = [MOMENT]
         elif name in _TRANSPARENT and len(ins) == 1:
@@ -223,10 +244,16 @@ def _plan(
                 squares[eqn.outvars[0]] = i
         elif name in _ARITHMETIC:
             outs = [_arithmetic(name, eqn, ins, per_feature, statistics, i, squares)]
+            if i in statistics:
+                made_by_statistics.update(eqn.outvars)
+                if name in ("mul", "div") and outs[0] == OTHER:
+                    normalised.add(i)
         for v, c in zip(eqn.outvars, outs):
             cls[v] = c
 
     statistics.update(i for v, i in squares.items() if v in summed)
+    made_by_statistics.update(v for v, i in squares.items() if v in summed)
+    normalised_vars = {v for i in normalised for v in jaxpr.eqns[i].outvars}
     return StatisticsPlan(
         statistics=frozenset(statistics),
         bounded=frozenset(bounded),
@@ -234,7 +261,90 @@ def _plan(
         out_classes=tuple(of(v) for v in jaxpr.outvars),
         out_ranges=tuple(range_of(v) for v in jaxpr.outvars),
         summed_inputs=tuple(v in summed for v in jaxpr.invars),
+        statistic_outputs=tuple(
+            not isinstance(v, _compat.Literal) and v in made_by_statistics for v in jaxpr.outvars
+        ),
+        normalised_outputs=tuple(
+            not isinstance(v, _compat.Literal) and v in normalised_vars for v in jaxpr.outvars
+        ),
+        norm_runs=_norm_runs(jaxpr, cls, made_by_statistics, normalised, per_feature),
     )
+
+
+def _norm_runs(
+    jaxpr: Any,
+    cls: dict[Any, int],
+    made_by_statistics: set[Any],
+    normalised: set[int],
+    per_feature: set[Any],
+) -> dict[int, int]:
+    """Runs of equations from a norm's first statistic to its normalised result.
+
+    For each normalising equation, the equations it depends on through
+    statistics (centred values, summed squares), moments and normalisers,
+    back to the activation and the parameters (values of class ``OTHER``
+    that no statistics equation made), span a contiguous run up to it. The
+    run goes on through the layer's affine part (``* scale + bias``, done
+    after normalising, as hand-written norms do): equations that combine the
+    normalised value with per-feature values only, and those preparing such
+    values, so the scale's gradient recomputes the normalised value instead
+    of saving it in float32.
+
+    A run holding a matmul or a side effect is dropped, not shortened:
+    recomputing part of a norm from statistics computed outside it could
+    mix an unrounded activation with its rounded copy (see
+    `jaxamp.transform._interpreter._evaluate_recomputed`). Overlapping runs
+    (a norm normalising twice) are merged.
+    """
+    if not normalised:
+        return {}
+    eqns = jaxpr.eqns
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+
+    def heavy(k: int) -> bool:
+        return holds_matmul(eqns[k]) or bool(eqns[k].effects)
+
+    spans = []
+    for last in sorted(normalised):
+        needed, stack = {last}, [last]
+        while stack:
+            for v in eqns[stack.pop()].invars:
+                k = None if isinstance(v, _compat.Literal) else producer.get(v)
+                if k is None or k in needed:
+                    continue
+                if v in made_by_statistics or cls.get(v) in (MOMENT, NORMALISER):
+                    needed.add(k)
+                    stack.append(k)
+        first = min(needed)
+        if any(heavy(k) for k in range(first, last + 1)):
+            continue
+        end = _affine_end(eqns, last, per_feature, heavy)
+        # A lone equation gains nothing: the body of `jnp.multiply`, or a
+        # call to a whole norm (its body has the run).
+        if end - first > 1:
+            spans.append((first, end))
+    return merge_runs(spans)
+
+
+def _affine_end(eqns: Sequence[Any], last: int, per_feature: set[Any], heavy: Callable) -> int:
+    """Where a norm's run ends: after `last` and the affine equations that follow it."""
+    normalised = set(eqns[last].outvars)
+    size = max(_size(v) for v in normalised)
+    end = last + 1
+    for k in range(last + 1, len(eqns)):
+        eqn = eqns[k]
+        if heavy(k) or eqn.primitive.name not in _AFFINE and _compat.call_body(eqn) is None:
+            break
+        operands = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+        if not any(v in normalised for v in operands):
+            if all(_size(o) < size for o in eqn.outvars):
+                continue  # preparing a parameter (a reshape of the scale)
+            break
+        if not all(v in normalised or v in per_feature or _size(v) < size for v in operands):
+            break
+        normalised.update(eqn.outvars)
+        end = k + 1
+    return end
 
 
 def _arithmetic(name, eqn, ins, per_feature, statistics, index, squares) -> int:

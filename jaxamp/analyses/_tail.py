@@ -22,16 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _compat
-from .._jaxpr import MATMUL_NAMES, bodies, matmuls_in
+from .._jaxpr import holds_matmul
 
 __all__ = ["tail_equations"]
-
-
-def _holds_matmul(eqn: Any) -> bool:
-    """Whether `eqn` is a matmul or carries one in a body (a call, a loop...)."""
-    return eqn.primitive.name in MATMUL_NAMES or any(
-        next(matmuls_in(body), None) is not None for body in bodies(eqn)
-    )
 
 
 def tail_equations(jaxpr: Any) -> frozenset[int]:
@@ -44,7 +37,7 @@ def tail_equations(jaxpr: Any) -> frozenset[int]:
         The tail's equation indices; empty when the program has no matmul.
     """
     eqns = jaxpr.eqns
-    matmul = [_holds_matmul(eqn) for eqn in eqns]
+    matmul = [holds_matmul(eqn) for eqn in eqns]
     if not any(matmul):
         return frozenset()
     # Backwards: which variables some matmul (eventually) reads.

@@ -21,6 +21,7 @@ import numpy as np
 from .. import _compat
 from .._casting import dtype_of, shared_casts
 from .._dtypes import is_castable
+from .._jaxpr import merge_runs
 from ..analyses._regions import Regions
 from ..analyses._statistics import plan_statistics
 from ..analyses._tail import tail_equations
@@ -238,7 +239,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     # Diagnostics watch every equation's value, so they see everything unwrapped.
     recomputed, last_use = {}, {}
     if ctx.recompute and ctx.observer is None and not ctx.inline:
-        recomputed = _recomputed_runs(jaxpr, regions.runs(), tail)
+        recomputed = _recomputed_runs(jaxpr, regions.runs(), plan.norm_runs, tail)
     if recomputed:
         last_use = _last_uses(jaxpr)
     casts: dict = {}  # see `shared_casts`
@@ -273,34 +274,34 @@ def _write(env: dict, v: Any, value: Any) -> None:
         env[v] = value
 
 
-def _recomputed_runs(jaxpr: Any, region_runs: dict[int, int], tail: frozenset[int]) -> dict[int, range]:
+def _recomputed_runs(
+    jaxpr: Any, region_runs: dict[int, int], norm_runs: dict[int, int], tail: frozenset[int]
+) -> dict[int, range]:
     """The runs of equations amp evaluates under `jax.checkpoint`, by their first index.
 
-    Runs of a norm region's equations (`Regions.runs`) and of the program's
-    tail (`jaxamp.analyses._tail`): both run in float32 on values that arrive
-    in the compute dtype, so saving their inputs and recomputing
-    the rest keeps float32 activations out of the residuals (see
-    `_evaluate_recomputed`). A region inside the tail is part of the tail's
-    run. Runs with side effects (a `jax.debug.print`) are left alone: a
-    recompute would repeat them.
+    Runs of a norm region's equations (`Regions.runs`), of a norm the
+    statistics pass found (`StatisticsPlan.norm_runs`: flax's and haiku's
+    norm layers) and of the program's tail (`jaxamp.analyses._tail`): all
+    run in float32 on values that arrive in the compute dtype, so saving
+    their inputs and recomputing the rest keeps float32 activations out of
+    the residuals (see `_evaluate_recomputed`). Overlapping runs (a region
+    or a norm inside the tail, a batch norm whose running averages the tail
+    updates) are merged into one. Runs with side effects (a
+    `jax.debug.print`) are left alone: a recompute would repeat them.
     """
-    runs = {}
-    covered: set[int] = set()
+    tail_runs = []
     for start in sorted(tail):
         if start - 1 in tail:
             continue
         end = start
         while end in tail:
             end += 1
-        runs[start] = range(start, end)
-        covered.update(range(start, end))
-    for start, end in region_runs.items():
-        if start not in covered:
-            runs[start] = range(start, end)
+        tail_runs.append((start, end))
+    runs = merge_runs((*tail_runs, *region_runs.items(), *norm_runs.items()))
     return {
-        start: run
-        for start, run in runs.items()
-        if not any(jaxpr.eqns[k].effects for k in run)
+        start: range(start, end)
+        for start, end in runs.items()
+        if not any(jaxpr.eqns[k].effects for k in range(start, end))
     }
 
 
