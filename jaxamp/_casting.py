@@ -78,6 +78,12 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
     ``inf`` keep their meaning. Only float16 targets saturate: bfloat16 has
     float32's exponent range (only the last 0.4% below ``finfo(float32).max``
     rounds to inf), and the extra ops are not worth it there.
+
+    Its gradient is the plain cast's (straight through the clamp): a clamp
+    differentiated as written saves its float32 operand and two masks for the
+    backward pass, and the operand is often activation-sized (haiku's
+    ``Linear`` broadcasts its bias to the output's shape before adding it),
+    which cost float16 models 46% more residual bytes than hand-cast code.
     """
     current = dtype_of(x)
     narrowing_to_float16 = (
@@ -91,10 +97,21 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
             x = np.asarray(x, current)
             x = np.where(np.isinf(x), x, np.clip(x, -limit, limit)).astype(current)
         else:
-            bound = np.asarray(limit, current)
-            clamped = lax.clamp(-bound, x, bound)
-            x = lax.select(lax.eq(lax.abs(x), np.asarray(np.inf, current)), x, clamped)
+            x = _saturate_to_float16(x)
     return cast_value(x, dtype)
+
+
+@jax.custom_jvp
+def _saturate_to_float16(x: Any) -> Any:
+    bound = np.asarray(jnp.finfo(jnp.float16).max, x.dtype)
+    clamped = lax.clamp(-bound, x, bound)
+    return lax.select(lax.eq(lax.abs(x), np.asarray(np.inf, x.dtype)), x, clamped)
+
+
+@_saturate_to_float16.defjvp
+def _saturate_to_float16_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (x,), (tangent,) = primals, tangents
+    return _saturate_to_float16(x), tangent
 
 
 def as_array(value: Any, aval: Any) -> Any:

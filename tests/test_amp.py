@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from jaxamp import _compat
 from jaxamp import (
     amp,
     amp_stop,
@@ -584,6 +585,30 @@ def test_unrepresentable_constants_saturate_to_the_half_maximum():
     out = amp(g)(jnp.ones((1, 2)), jnp.eye(2))
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(out, float(jnp.finfo(jnp.float16).max))
+
+
+def test_a_saturating_cast_saves_nothing_for_the_backward_pass():
+    # haiku's Linear broadcasts its float32 bias to the output's shape before
+    # adding it to the float16 matmul: the saturating cast of that bias saved
+    # it in float32 and two boolean masks, all activation-sized. Its gradient
+    # is the plain cast's: straight through.
+    def linear(w, b, x):
+        out = x @ w
+        return out + jnp.broadcast_to(b, out.shape)
+
+    def loss(w, b, x):
+        return jnp.sum(linear(w, b, x) @ w)
+
+    w, b, x = jnp.eye(8), jnp.full(8, 70000.0), jnp.ones((16, 8))
+    amp_loss = amp(loss, compute_dtype="f16")
+    saved = [(aval.dtype, aval.shape) for aval, _ in _compat.saved_residuals(amp_loss, w, b, x)]
+    assert not [s for s in saved if s[1] == (16, 8) and s[0] != jnp.float16], saved
+    # 70000 saturates to 65504 in the forward pass (the loss's matmul by the
+    # identity sees it); the bias's gradient is the plain cast's: each of the
+    # 16 rows adds the bias once.
+    hidden = amp(lambda w, b, x: linear(w, b, x) @ w, compute_dtype="f16")(w, b, x)
+    np.testing.assert_array_equal(hidden, 65504.0)
+    np.testing.assert_array_equal(jax.grad(amp_loss, argnums=1)(w, b, x), jnp.full(8, 16.0))
 
 
 def test_prng_keys_pass_through():

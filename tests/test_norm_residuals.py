@@ -235,3 +235,18 @@ def test_norms_the_statistics_pass_finds_save_their_bf16_input(kind):
             assert got.dtype == jnp.float32
             assert _relative(got, same) < 1e-2
             assert _relative(got, ref) < 2e-2
+
+
+def test_a_bias_broadcast_just_before_the_loss_is_recomputed_not_saved():
+    # haiku's Linear broadcasts its bias to the logits' shape before the
+    # float32 loss: saved as the loss's input, that is a float32 value the
+    # size of the logits (1.6 GB for GPT-2's vocabulary at batch 8 x 1024).
+    def loss(w, b, x):
+        logits = x @ w
+        logits = logits + jnp.broadcast_to(b, logits.shape)
+        return -jnp.mean(jax.nn.log_softmax(logits)[:, 0])
+
+    (_, w, _), x = _block(None)
+    b = jnp.zeros(WIDTH)
+    residuals = _residuals(jaxamp.amp(loss, compute_dtype="bf16"), w, b, x)
+    assert not [r for r in residuals if r[0] == np.float32 and r[1] == (ROWS, WIDTH)], residuals

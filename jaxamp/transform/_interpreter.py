@@ -11,6 +11,7 @@ keeps its per-primitive rule tables beside each interpreter.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -298,11 +299,27 @@ def _recomputed_runs(
             end += 1
         tail_runs.append((start, end))
     runs = merge_runs((*tail_runs, *region_runs.items(), *norm_runs.items()))
-    return {
-        start: range(start, end)
-        for start, end in runs.items()
-        if not any(jaxpr.eqns[k].effects for k in range(start, end))
-    }
+    recomputed, previous_end = {}, 0
+    for start, end in runs.items():
+        # A value broadcast just before the run (haiku's ``Linear`` broadcasts
+        # its bias to the output's shape) is recomputed, not saved in float32.
+        while start > previous_end and _expands(jaxpr.eqns[start - 1]):
+            start -= 1
+        if not any(jaxpr.eqns[k].effects for k in range(start, end)):
+            recomputed[start] = range(start, end)
+        previous_end = end
+    return recomputed
+
+
+def _expands(eqn: Any) -> bool:
+    """Whether `eqn` makes a larger value out of smaller ones (a broadcast, an iota)."""
+    if eqn.effects or _compat.call_body(eqn) is not None or len(eqn.outvars) != 1:
+        return False
+    size = math.prod(getattr(eqn.outvars[0].aval, "shape", ()))
+    return all(
+        isinstance(v, _compat.Literal) or math.prod(getattr(v.aval, "shape", ())) < size
+        for v in eqn.invars
+    )
 
 
 def _last_uses(jaxpr: Any) -> dict[Any, int]:
