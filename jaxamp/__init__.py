@@ -91,6 +91,7 @@ __all__ += [
 ]
 
 # Diagnostics
+from .diagnostics._compare import ComparisonReport, GradientError, ScopeError, compare
 from .diagnostics._explain import (
     AmpReport,
     AmpRow,
@@ -99,7 +100,17 @@ from .diagnostics._explain import (
     find_nonfinite,
 )
 
-__all__ += ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
+__all__ += [
+    "AmpReport",
+    "AmpRow",
+    "ComparisonReport",
+    "GradientError",
+    "NonFiniteReport",
+    "ScopeError",
+    "compare",
+    "explain",
+    "find_nonfinite",
+]
 
 from . import optim, sharding  # noqa: E402  (jaxamp.optim, jaxamp.sharding after `import jaxamp`)
 

@@ -56,6 +56,9 @@ class EquationEvent:
     trip_count: int
     call_sites: tuple[Any, ...] = ()  # enclosing higher-order equations, outermost first
     detail: str = ""  # what an equation-rewriting rule did, or why it declined
+    # ``replay(*operands) -> outputs``: the same rule applied to other operands
+    # (as they would arrive: amp's dtypes on arrival), for `jaxamp.compare`.
+    replay: Callable[..., tuple] | None = None
 
     @property
     def user_frame(self) -> Any:
@@ -537,6 +540,18 @@ def _apply_rule(
         outvals = eqn.primitive.bind(*new_invals, **new_params)
     if ctx.observer is not None:
         outs = tuple(outvals) if eqn.primitive.multiple_results else (outvals,)
+
+        def replay(*operands: Any) -> tuple:
+            again = None
+            if hasattr(choice.rule, "rewrite_equation"):
+                again = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *operands, **params)
+            if again is not None and again.fn is not None:
+                result = again.fn(*operands)
+            else:
+                new, new_params = _call_rule(choice, ctx.compute_dtype, original, list(operands), params)
+                result = eqn.primitive.bind(*new, **new_params)
+            return tuple(result) if eqn.primitive.multiple_results else (result,)
+
         ctx.observer(
             EquationEvent(
                 eqn=eqn,
@@ -550,6 +565,7 @@ def _apply_rule(
                 trip_count=ctx.trip_count,
                 call_sites=ctx.call_sites,
                 detail=rewrite.detail if rewrite is not None else "",
+                replay=replay,
             )
         )
     return outvals
