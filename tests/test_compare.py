@@ -109,6 +109,20 @@ def test_unscoped_equations_are_grouped_by_source_line_and_the_float32_tail_is_e
     # The loss (the program's tail) runs in float32 on what reaches it: it adds nothing.
     tail = next(s for s in report.scopes if s.dtypes == ("f32",))
     assert tail.local_db == math.inf and "exact" in str(report)
+    # What it hands on is the loss, not the values nothing reads.
+    assert tail.accumulated_db == report.output_db
+
+
+def test_values_nothing_reads_are_not_what_a_scope_hands_on():
+    params, x = _params()
+
+    def loss(params, x):
+        logits = x @ params[0]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1))  # computes a sign it never reads
+
+    report = jaxamp.compare(loss, compute_dtype="f16")(params, x)
+    tail = next(s for s in report.scopes if s.dtypes == ("f32",))
+    assert tail.accumulated_db == report.output_db, str(report)
 
 
 def test_inside_scan_and_with_equinox_modules():

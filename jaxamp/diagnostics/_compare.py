@@ -167,7 +167,7 @@ def compare(fn: Callable, **amp_options: Any) -> Callable[..., ComparisonReport]
         return ComparisonReport(
             compute_dtype=compute,
             output_db=_sqnr(_floats(float32_out), _floats(amp_out)),
-            scopes=_scope_errors(amp_events, float32_events),
+            scopes=_scope_errors(amp_events, float32_events, float32_out),
             gradients=_gradient_errors(fn, options, args, kwargs, float32_out),
         )
 
@@ -231,11 +231,15 @@ class _Values:
     shadow_float32: Any
 
 
-def _scope_errors(amp_events: list, float32_events: list) -> tuple[ScopeError, ...]:
+def _scope_errors(amp_events: list, float32_events: list, float32_out: Any) -> tuple[ScopeError, ...]:
     group_of: dict[Any, str] = {}  # variable -> the group that produced it last
     values: dict[str, dict[Any, _Values]] = defaultdict(dict)
-    leaves: set[Any] = set()  # variables read by another group
+    leaves: set[Any] = set()  # variables read by another group, or returned
     read: set[Any] = set()
+    # The function's outputs are the float32 run's own arrays (amp casts
+    # nothing there), which tells them from values nothing reads (JAX's
+    # derivative helpers, such as logsumexp's sign).
+    returned = {id(x) for x in jax.tree.leaves(float32_out)}
     equations: dict[str, int] = defaultdict(int)
     dtypes: dict[str, set] = defaultdict(set)
     for event, reference in zip(amp_events, float32_events):
@@ -260,9 +264,10 @@ def _scope_errors(amp_events: list, float32_events: list) -> tuple[ScopeError, .
             leaves.add(v)
             # Handed over rounded (a norm region hands on in the compute
             # dtype): the rounding is the producer's error.
-            produced = values[group_of[v]][v]
-            produced.amp = _arrive(produced.amp, arrival)
-            produced.shadow = _arrive(produced.shadow, arrival)
+            produced = values[group_of[v]].get(v)  # None: not floating
+            if produced is not None:
+                produced.amp = _arrive(produced.amp, arrival)
+                produced.shadow = _arrive(produced.shadow, arrival)
         shadow = event.replay(*operands)
         shadow_float32 = reference.replay(*float32_operands)
         outputs = zip(event.eqn.outvars, reference.outputs, event.outputs, shadow, shadow_float32)
@@ -270,14 +275,18 @@ def _scope_errors(amp_events: list, float32_events: list) -> tuple[ScopeError, .
             if isinstance(v, _compat.DropVar):
                 continue
             group_of[v] = group
+            if id(float32) in returned:
+                leaves.add(v)
             if jnp.issubdtype(getattr(float32, "dtype", np.int32), jnp.floating):
                 values[group][v] = _Values(float32, amp, own, own_float32)
             else:
                 values[group].pop(v, None)
     errors = []
     for group, produced in values.items():
-        # What the group hands on: read by another group, or by none (an output).
-        handed_on = [x for v, x in produced.items() if v in leaves or v not in read] or list(produced.values())
+        # What the group hands on; failing that, what nothing reads.
+        handed_on = [x for v, x in produced.items() if v in leaves] or [
+            x for v, x in produced.items() if v not in read
+        ]
         if not handed_on:
             continue
         errors.append(
