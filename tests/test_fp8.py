@@ -1,4 +1,4 @@
-"""amp's fp8 mode (`compute_dtype="fp8"`, `jaxamp.Fp8Recipe`): float8 matmuls with current scaling.
+"""amp's fp8 mode (`compute_dtype=EVERY`, `jaxamp.Fp8Recipe`): float8 matmuls with current scaling.
 
 A small zoo (an MLP, a convolutional net, a transformer whose blocks run in a
 scan) has every matmul in float8 forward and backward, losses within 10% and
@@ -8,6 +8,8 @@ layout; small matmuls, the last matmul, pinned scopes and `amp_stop` stay out
 of float8 and `explain` says why; non-finite inputs make the loss non-finite;
 bad input is rejected with a clear error.
 """
+
+import dataclasses
 
 import equinox as eqx
 import jax
@@ -23,6 +25,10 @@ from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 from small_models import SmallCNN, cross_entropy
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+# Every matmul these small models have in float8: the defaults keep batched,
+# grouped and last matmuls and sizes no float8 GEMM takes in bf16
+# (test_fp8_defaults.py), which would leave little to test here.
+EVERY = Fp8Recipe(attention=True, grouped=True, keep_last_matmul_bf16=False, gemm_multiple=1)
 FLOAT8 = (E4M3, E5M2)
 KEYS = jax.random.split(jax.random.PRNGKey(0), 12)
 
@@ -135,7 +141,7 @@ def _is_float(dtype):
 @pytest.mark.parametrize("make", ZOO, ids=lambda m: m.__name__)
 def test_every_matmul_in_float8_forward_and_backward(make):
     loss, (params, *batch) = make()
-    mixed = amp(loss, compute_dtype="fp8")
+    mixed = amp(loss, compute_dtype=EVERY)
     params_only = lambda p: mixed(p, *batch)  # noqa: E731
     forward = matmul_operand_dtypes(eqx.filter_make_jaxpr(params_only)(params)[0])
     assert forward and all(dts == (E4M3, E4M3) for _, dts in forward), forward
@@ -164,7 +170,7 @@ def _flat_grads(grads):
 @pytest.mark.parametrize("make", ZOO, ids=lambda m: m.__name__)
 def test_loss_and_gradients_close_to_float32(make):
     loss, args = make()
-    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(amp(loss, compute_dtype="fp8")))(*args)
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(amp(loss, compute_dtype=EVERY)))(*args)
     value32, grads32 = eqx.filter_jit(eqx.filter_value_and_grad(loss))(*args)
     assert value.dtype == jnp.float32
     np.testing.assert_allclose(value, value32, rtol=LOSS_RTOL)
@@ -214,7 +220,7 @@ def test_a_nonfinite_entry_poisons_only_its_row_as_in_bf16(bad):
         assert rows_hit.tolist() == [3], compute_dtype
     # The other rows keep fp8's accuracy (within 15% of float32, relative norm).
     others = np.delete(np.arange(8), 3)
-    out = np.asarray(amp(lambda x, w: x @ w, compute_dtype="fp8")(x, w), np.float32)[others]
+    out = np.asarray(amp(lambda x, w: x @ w, compute_dtype=EVERY)(x, w), np.float32)[others]
     want = np.asarray(x @ w)[others]
     assert np.linalg.norm(out - want) / np.linalg.norm(want) < 0.15
 
@@ -223,7 +229,7 @@ def test_a_nonfinite_entry_poisons_only_its_row_as_in_bf16(bad):
 def test_nonfinite_input_makes_loss_and_gradients_nonfinite(bad):
     loss, (model, x) = mlp()
     x = x.at[3, 5].set(bad)
-    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(amp(loss, compute_dtype="fp8")))(model, x)
+    value, grads = eqx.filter_jit(eqx.filter_value_and_grad(amp(loss, compute_dtype=EVERY)))(model, x)
     assert not bool(jnp.isfinite(value))
     assert not bool(jnp.all(jnp.isfinite(_flat_grads(grads))))
 
@@ -277,7 +283,7 @@ def test_dot_general_gradients_match_float32(name):
     def loss(lhs, rhs):
         return jnp.sum(lax.dot_general(lhs, rhs, dims) * weights)
 
-    fp8_grad = jax.grad(amp(loss, compute_dtype="fp8"), (0, 1))
+    fp8_grad = jax.grad(amp(loss, compute_dtype=EVERY), (0, 1))
     found = matmul_operand_dtypes(jax.make_jaxpr(fp8_grad)(lhs, rhs))
     assert _format_pairs(found) == FORWARD_AND_TWO_GRADIENTS
     _assert_float32_gradients_match(fp8_grad, loss, lhs, rhs)
@@ -304,7 +310,7 @@ def test_convolution_gradients_match_float32(name):
     def loss(lhs, rhs):
         return jnp.sum(conv(lhs, rhs) * weights)
 
-    fp8_grad = jax.grad(amp(loss, compute_dtype=Fp8Recipe(min_contraction=1)), (0, 1))
+    fp8_grad = jax.grad(amp(loss, compute_dtype=dataclasses.replace(EVERY, min_contraction=1)), (0, 1))
     backward = matmul_operand_dtypes(jax.make_jaxpr(fp8_grad)(lhs, rhs))
     assert len(backward) == 3 and all(dts == (E4M3, E4M3) for _, dts in backward), backward
     _assert_float32_gradients_match(fp8_grad, loss, lhs, rhs)
@@ -319,7 +325,7 @@ def test_ragged_dot_in_float8_forward_and_backward():
     def loss(lhs, rhs):
         return jnp.sum(lax.ragged_dot(lhs, rhs, group_sizes) * weights)
 
-    fp8_grad = jax.grad(amp(loss, compute_dtype="fp8"), (0, 1))
+    fp8_grad = jax.grad(amp(loss, compute_dtype=EVERY), (0, 1))
     found = matmul_operand_dtypes(jax.make_jaxpr(fp8_grad)(lhs, rhs))
     assert _format_pairs(found) == FORWARD_AND_TWO_GRADIENTS
     _assert_float32_gradients_match(fp8_grad, loss, lhs, rhs)
@@ -350,11 +356,11 @@ def test_small_matmuls_stay_bf16_and_explain_says_why():
 
     bf16 = np.dtype(jnp.bfloat16)
     int32 = np.dtype(jnp.int32)
-    jaxpr = jax.make_jaxpr(amp(f, compute_dtype="fp8"))(P, X)
+    jaxpr = jax.make_jaxpr(amp(f, compute_dtype=EVERY))(P, X)
     operands = [tuple(v.aval.dtype for v in e.invars)
                 for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert operands == [(bf16, bf16), (int32, int32), (E4M3, E4M3), (E4M3, E4M3)]
-    report = jaxamp.explain(f, compute_dtype="fp8")(P, X)
+    report = jaxamp.explain(f, compute_dtype=EVERY)(P, X)
     kept = {r.detail for r in report.kept_out_of_fp8}
     assert kept == {"kept bf16: contraction size 8 < min_contraction 16",
                     "kept bf16: int32 x int32 operands (float8 takes float32, bfloat16 or float16)"}
@@ -368,7 +374,7 @@ def test_small_matmuls_stay_bf16_and_explain_says_why():
     assert report.to_dict()["fp8_flop_fraction"] == report.fp8_flop_fraction
 
     # A FLOP floor of 10k keeps the head (8x32x10: 5120 FLOPs) out, not the 8x32x32 matmul (16k).
-    report = jaxamp.explain(_two_layers, compute_dtype=Fp8Recipe(min_flops=10_000))(P, X)
+    report = jaxamp.explain(_two_layers, compute_dtype=dataclasses.replace(EVERY, min_flops=10_000))(P, X)
     assert [r.detail for r in report.kept_out_of_fp8] == ["kept bf16: 5120 FLOPs < min_flops 10000"]
 
 
@@ -383,7 +389,7 @@ def test_pallas_kernel_matmuls_are_listed_and_not_taken_for_the_last_matmul():
         out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 32), jnp.float32), interpret=True)
         return loss + jnp.sum(out(x, p["w"]))
 
-    report = jaxamp.explain(f, compute_dtype=Fp8Recipe(keep_last_matmul_bf16=True))(P, X)
+    report = jaxamp.explain(f, compute_dtype=dataclasses.replace(EVERY, keep_last_matmul_bf16=True))(P, X)
     assert [(r.primitive, r.detail) for r in report.kept_out_of_fp8] == [
         ("dot_general", "kept bf16: the program's last matmul (keep_last_matmul_bf16)"),
         ("pallas_call", "not float8: 1 matmul(s) inside a pallas_call body, which amp does not "
@@ -397,10 +403,10 @@ def test_keep_last_matmul_bf16_inside_a_jitted_function():
     def f(p, x):
         return jax.jit(_two_layers)(p, x)
 
-    recipe = Fp8Recipe(keep_last_matmul_bf16=True)
+    recipe = dataclasses.replace(EVERY, keep_last_matmul_bf16=True)
     bf16 = np.dtype(jnp.bfloat16)
     assert _formats(f, P, X, compute_dtype=recipe) == [(E4M3, E4M3), (bf16, bf16)]
-    assert _formats(f, P, X, compute_dtype="fp8") == [(E4M3, E4M3), (E4M3, E4M3)]
+    assert _formats(f, P, X, compute_dtype=EVERY) == [(E4M3, E4M3), (E4M3, E4M3)]
     report = jaxamp.explain(f, compute_dtype=recipe)(P, X)
     assert [(r.scope, r.detail) for r in report.kept_out_of_fp8] == [
         ("head", "kept bf16: the program's last matmul (keep_last_matmul_bf16)")]
@@ -413,9 +419,9 @@ def test_keep_last_matmul_bf16_inside_a_jitted_function():
 def test_scope_pins_and_amp_stop_keep_their_precision():
     table = jaxamp.default_amp_policy | {"head": jaxamp.use_precision("bf16")}
     bf16, f32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
-    assert _formats(_two_layers, P, X, compute_dtype="fp8", amp_policy=table) == [(E4M3, E4M3), (bf16, bf16)]
-    assert _formats(jaxamp.amp_stop(_two_layers), P, X, compute_dtype="fp8") == [(f32, f32), (f32, f32)]
-    report = jaxamp.explain(_two_layers, compute_dtype="fp8", amp_policy=table)(P, X)
+    assert _formats(_two_layers, P, X, compute_dtype=EVERY, amp_policy=table) == [(E4M3, E4M3), (bf16, bf16)]
+    assert _formats(jaxamp.amp_stop(_two_layers), P, X, compute_dtype=EVERY) == [(f32, f32), (f32, f32)]
+    report = jaxamp.explain(_two_layers, compute_dtype=EVERY, amp_policy=table)(P, X)
     assert [r.detail for r in report.kept_out_of_fp8] == ["kept bf16,bf16: decided by scope:head"]
 
 
@@ -433,20 +439,20 @@ def test_everything_but_matmuls_follows_bf16_mode():
 
 def test_find_nonfinite_in_fp8_mode():
     x = X.at[0, 0].set(jnp.nan)
-    found = jaxamp.find_nonfinite(_two_layers, compute_dtype="fp8")(P, x)
+    found = jaxamp.find_nonfinite(_two_layers, compute_dtype=EVERY)(P, x)
     assert found.primitive == "dot_general" and found.input_dtypes == ("e4m3", "e4m3")
     assert found.output_dtypes == ("bf16",)
-    assert jaxamp.find_nonfinite(_two_layers, compute_dtype="fp8")(P, X) is None
+    assert jaxamp.find_nonfinite(_two_layers, compute_dtype=EVERY)(P, X) is None
 
 
 def test_fp8_under_jit_vmap_and_with_a_policy():
-    value = jax.jit(amp(_two_layers, compute_dtype="float8"))(P, X)
-    assert value.dtype == jnp.float32
+    assert jax.jit(amp(_two_layers, compute_dtype="float8"))(P, X).dtype == jnp.float32
+    value = jax.jit(amp(_two_layers, compute_dtype=EVERY))(P, X)
     # Under vmap each example gets its own scales: two copies of X, two equal results.
-    batched_fn = jax.jit(jax.vmap(amp(_two_layers, compute_dtype="fp8"), in_axes=(None, 0)))
+    batched_fn = jax.jit(jax.vmap(amp(_two_layers, compute_dtype=EVERY), in_axes=(None, 0)))
     batched = batched_fn(P, X[None].repeat(2, 0))
     np.testing.assert_allclose(batched, [value, value], rtol=1e-6)
-    out = amp(lambda p, x: x @ p["w"], compute_dtype="fp8", policy="p=f32,c=bf16,o=f32")(P, X)
+    out = amp(lambda p, x: x @ p["w"], compute_dtype=EVERY, policy="p=f32,c=bf16,o=f32")(P, X)
     assert out.dtype == jnp.float32
 
 
@@ -494,7 +500,7 @@ def test_fp8_mode_sees_a_table_changed_between_calls():
 
     w, x = jnp.full((32, 32), 0.1), jnp.ones((8, 32))
     table = dict(jaxamp.default_amp_policy)
-    mixed = jaxamp.amp(f, compute_dtype="fp8", amp_policy=table)
+    mixed = jaxamp.amp(f, compute_dtype=EVERY, amp_policy=table)
 
     def dot_dtypes():
         # A fresh lambda per trace: JAX's own trace cache keys on the function.

@@ -27,7 +27,7 @@ from test_sharding_matrix import LAYOUTS, _loss_for, _mesh, _problem, _shardings
 
 import jaxamp
 
-FP8 = jaxamp.Fp8Recipe(min_contraction=1)
+FP8 = jaxamp.Fp8Recipe(min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 TOLERANCE = 5e-2
 

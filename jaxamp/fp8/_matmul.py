@@ -18,8 +18,12 @@ torchao's tensorwise dynamic scaling:
   matmuls, again accumulating in float32. Convolutions need one dtype on both
   sides, so their gradient convolutions run e4m3 x e4m3 (see `_COTANGENT_FORMAT`).
 
-Matmuls it does not accept (non-float operands, too small, the program's last
-one when asked) run in bfloat16, with the reason recorded for `jaxamp.explain`.
+Matmuls it does not accept run in bfloat16, with the reason recorded for
+`jaxamp.explain`. By default, as Transformer Engine, torchao and torchtitan
+set float8 up: the program's last matmul (the logits), batched matmuls
+(attention's scores and values), grouped matmuls, and matmuls whose sizes a
+float8 GEMM cannot take (not multiples of 16); always non-float operands. The
+`Fp8Recipe` fields opt in; grouped matmuls then get a scale per group.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ __all__ = [
     "Fp8MatmulRule",
     "contraction_size",
     "formats",
+    "is_per_group_layout",
+    "output_features",
     "quantize",
     "with_fp8_matmuls",
 ]
@@ -84,16 +90,51 @@ def quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
         would hide it, and a scale taken from an infinite amax would turn every
         finite entry into 0 and the whole result into NaN.
     """
-    fmax = np.float32(jnp.finfo(fmt).max)
     x32 = lax.convert_element_type(x, _F32)
-    # lax, not jnp: each jnp helper would add a nested jit to every matmul.
-    finite = lax.is_finite(x32)
-    magnitude = lax.select(finite, lax.abs(x32), lax.full_like(x32, 0.0))
-    amax = lax.reduce_max(magnitude, tuple(range(x32.ndim)))  # -inf if empty
-    scale = amax / fmax
-    scale = lax.select(scale > 0, scale, np.float32(1.0))
-    q = lax.select(finite, lax.clamp(-fmax, x32 / scale, fmax), x32)
-    return lax.convert_element_type(q, fmt), scale
+    scale = _scale(lax.reduce_max(_finite_magnitude(x32), tuple(range(x32.ndim))), fmt)
+    return _apply_scale(x32, scale, fmt), scale
+
+
+# lax, not jnp, in these helpers: each jnp helper would add a nested jit to every matmul.
+
+
+def _finite_magnitude(x32: Any) -> Any:
+    """``|x|`` with non-finite entries as 0: what an amax is taken over."""
+    return lax.select(lax.is_finite(x32), lax.abs(x32), lax.full_like(x32, 0.0))
+
+
+def _scale(amax: Any, fmt: Any) -> Any:
+    """``amax / max(fmt)``, 1 where that is not positive (an all-zero or empty tensor)."""
+    scale = amax / np.float32(jnp.finfo(fmt).max)
+    return lax.select(scale > 0, scale, lax.full_like(scale, 1.0))
+
+
+def _apply_scale(x32: Any, scale: Any, fmt: Any) -> Any:
+    """``x / scale`` saturated to `fmt`, non-finite entries passed through (see `quantize`)."""
+    fmax = np.float32(jnp.finfo(fmt).max)
+    q = lax.select(lax.is_finite(x32), lax.clamp(-fmax, x32 / scale, fmax), x32)
+    return lax.convert_element_type(q, fmt)
+
+
+def _quantize_rows_by_group(x: Any, fmt: Any, group_ids: Any, num_groups: int) -> tuple[Any, Any]:
+    """`quantize` with one scale per group of rows (rows of group ``group_ids[i]``).
+
+    Returns ``(q, scales)``, `scales` of shape ``(num_groups,)``.
+    """
+    x32 = lax.convert_element_type(x, _F32)
+    row_amax = lax.reduce_max(_finite_magnitude(x32), tuple(range(1, x32.ndim)))
+    scales = _scale(jax.ops.segment_max(row_amax, group_ids, num_segments=num_groups), fmt)
+    row_scales = scales[group_ids].reshape((-1,) + (1,) * (x32.ndim - 1))
+    return _apply_scale(x32, row_scales, fmt), scales
+
+
+def _quantize_per_group(x: Any, fmt: Any) -> tuple[Any, Any]:
+    """`quantize` with one scale per index of the leading (group) axis."""
+    x32 = lax.convert_element_type(x, _F32)
+    scales = _scale(lax.reduce_max(_finite_magnitude(x32), tuple(range(1, x32.ndim))), fmt)
+    return _apply_scale(x32, scales.reshape((-1,) + (1,) * (x32.ndim - 1)), fmt), scales
+
+
 
 
 def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
@@ -136,10 +177,75 @@ def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
     return matmul
 
 
+def _scaled_ragged_dot(params, lhs_dtype, rhs_dtype, out_dtype):
+    """``f(lhs, rhs, group_sizes)``: `lax.ragged_dot` in float8 with a scale per group.
+
+    For the layout of `lax.ragged_dot` (`is_per_group_layout`): ``lhs[m, k]``
+    whose rows belong to the groups in order (``group_sizes``), ``rhs[g, k,
+    n]``. Each group's rows of `lhs`, its slice of `rhs` and its rows of the
+    cotangent get their own scale, so an expert with small values keeps its
+    precision. Within a group both operands' scales are constant, so each
+    product (forward and both gradients) is rescaled per group afterwards.
+    """
+    params = dict(params, preferred_element_type=_F32)
+    primitive = _compat.primitives_by_name()["ragged_dot_general"]
+
+    def group_ids(group_sizes, rows):
+        groups = jnp.arange(group_sizes.shape[0], dtype=group_sizes.dtype)
+        return jnp.repeat(groups, group_sizes, total_repeat_length=rows)
+
+    def forward(lhs, rhs, group_sizes):
+        num_groups, rows = rhs.shape[0], lhs.shape[0]
+        ids = group_ids(group_sizes, rows)
+        q_lhs, s_lhs = _quantize_rows_by_group(lhs, E4M3, ids, num_groups)
+        q_rhs, s_rhs = _quantize_per_group(rhs, E4M3)
+        out = primitive.bind(q_lhs, q_rhs, group_sizes, **params)
+        out = out * (s_lhs * s_rhs)[ids][:, None]
+        return out.astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs, group_sizes, ids)
+
+    @jax.custom_vjp
+    def matmul(lhs, rhs, group_sizes):
+        return forward(lhs, rhs, group_sizes)[0]
+
+    def backward(residuals, g):
+        q_lhs, s_lhs, q_rhs, s_rhs, group_sizes, ids = residuals
+        q_g, s_g = _quantize_rows_by_group(g, E5M2, ids, q_rhs.shape[0])
+        d_lhs, d_rhs = _compat.matmul_cotangents(primitive, q_g, q_lhs, q_rhs, [group_sizes], params, _F32)
+        d_lhs = d_lhs * (s_g * s_rhs)[ids][:, None]
+        d_rhs = d_rhs * (s_g * s_lhs)[:, None, None]
+        return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), None
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def is_per_group_layout(eqn: Any) -> bool:
+    """Whether a ``ragged_dot_general`` is laid out as `lax.ragged_dot` makes it.
+
+    ``lhs[m, k]`` ragged along its rows, ``rhs[g, k, n]`` grouped along its
+    first axis, contracting ``k``, no batch dimensions: the layout whose
+    per-group scales `_scaled_ragged_dot` knows.
+    """
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    lhs, rhs = (v.aval.ndim for v in eqn.invars[:2])
+    return (
+        (lhs, rhs) == (2, 3)
+        and tuple(numbers.lhs_ragged_dimensions) == (0,)
+        and tuple(numbers.rhs_group_dimensions) == (0,)
+        and _normalised(numbers.dot_dimension_numbers) == (((1,), (1,)), ((), ()))
+    )
+
+
+def _normalised(dimension_numbers: Any) -> tuple:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
 def formats(primitive_name: str) -> str:
     """How fp8 mode runs a matmul of `primitive_name`, for diagnostics."""
     cotangent = dtype_short_name(_COTANGENT_FORMAT.get(primitive_name, E5M2))
-    return f"float8 e4m3 x e4m3 -> f32; backward {cotangent} x e4m3 -> f32; scaling: current"
+    scaling = "current, per group" if primitive_name == "ragged_dot_general" else "current"
+    return f"float8 e4m3 x e4m3 -> f32; backward {cotangent} x e4m3 -> f32; scaling: {scaling}"
 
 
 # --- the rule -----------------------------------------------------------------
@@ -158,6 +264,31 @@ def contraction_size(eqn: Any) -> int:
     (lhs_contract, _), _ = dimension_numbers
     lhs = eqn.invars[0].aval.shape
     return math.prod(lhs[d] for d in lhs_contract)
+
+
+def output_features(eqn: Any) -> int:
+    """A matmul's N: the right-hand operand's free size (a convolution's output features)."""
+    name = eqn.primitive.name
+    rhs = eqn.invars[1].aval.shape
+    if name == "conv_general_dilated":
+        return rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+    if name == "ragged_dot_general":
+        numbers = eqn.params["ragged_dot_dimension_numbers"]
+        (_, contract), (_, batch) = numbers.dot_dimension_numbers
+        bound = (*contract, *batch, *numbers.rhs_group_dimensions)
+    else:
+        (_, contract), (_, batch) = eqn.params["dimension_numbers"]
+        bound = (*contract, *batch)
+    return math.prod(d for i, d in enumerate(rhs) if i not in bound)
+
+
+def _gemm_contraction(eqn: Any) -> int:
+    # A convolution's GEMM contracts input features per group (its window is
+    # the implicit GEMM's loop, not a dimension the float8 kernel aligns).
+    if eqn.primitive.name == "conv_general_dilated":
+        kernel = eqn.invars[1].aval.shape
+        return kernel[eqn.params["dimension_numbers"].rhs_spec[1]]
+    return contraction_size(eqn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +335,11 @@ class Fp8MatmulRule:
         if reason:
             return EquationRewrite(None, (), f"kept {dtype_short_name(compute_dtype)}: {reason}")
         lhs, rhs, *rest = invars
-        fn = _scaled_matmul(eqn.primitive, bind_params, dtype_of(lhs), dtype_of(rhs), compute_dtype)
+        scaled = _scaled_ragged_dot if eqn.primitive.name == "ragged_dot_general" else None
+        if scaled is not None:
+            fn = scaled(bind_params, dtype_of(lhs), dtype_of(rhs), compute_dtype)
+        else:
+            fn = _scaled_matmul(eqn.primitive, bind_params, dtype_of(lhs), dtype_of(rhs), compute_dtype)
         operand_dtypes = (E4M3, E4M3, *(dtype_of(x) for x in rest))
         return EquationRewrite(fn, operand_dtypes, formats(eqn.primitive.name))
 
@@ -216,9 +351,21 @@ class Fp8MatmulRule:
             return f"{names} operands (float8 takes float32, bfloat16 or float16)"
         if eqn is self.last_matmul:
             return "the program's last matmul (keep_last_matmul_bf16)"
+        name = eqn.primitive.name
+        if name == "dot_general" and eqn.params["dimension_numbers"][1][0] and not self.recipe.attention:
+            return "a batched matmul: attention's scores and values (Fp8Recipe(attention=True) takes it)"
+        if name == "ragged_dot_general":
+            if not self.recipe.grouped:
+                return "a grouped matmul (Fp8Recipe(grouped=True) takes it, with a scale per group)"
+            if not is_per_group_layout(eqn):
+                return "a grouped matmul not laid out as lax.ragged_dot makes it (no per-group scales for it)"
         contraction, least = contraction_size(eqn), self.recipe.min_contraction
         if contraction < least:
             return f"contraction size {contraction} < min_contraction {least}"
+        multiple = self.recipe.gemm_multiple
+        for what, size in (("contraction size", _gemm_contraction(eqn)), ("output features", output_features(eqn))):
+            if size % multiple:
+                return f"{what} {size} is not a multiple of {multiple} (float8 GEMMs need it; gemm_multiple)"
         flops = equation_flops(eqn)
         if flops < self.recipe.min_flops:
             return f"{flops} FLOPs < min_flops {self.recipe.min_flops}"

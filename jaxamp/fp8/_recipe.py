@@ -33,9 +33,16 @@ class Fp8Recipe:
             output sums too few products to average out e4m3's rounding. For
             a convolution the contraction is input features per group times
             the kernel window.
+        gemm_multiple: matmuls whose contraction size or output features (a
+            dot's right-hand free dimensions; a convolution's input features
+            per group and output features) are not multiples of it stay in
+            bfloat16. Default 16: float8 GEMMs (cuBLASLt, cuDNN) take
+            dimensions in multiples of 16. 1 lets every size through.
         keep_last_matmul_bf16: keep the forward program's last matmul, in
-            program order, in bfloat16: usually the logits projection, whose
-            errors go straight into the loss. Program order
+            program order, in bfloat16 (the default, as torchao's and
+            torchtitan's float8 setups keep the output projection): usually
+            the logits projection, whose errors go straight into the loss.
+            Program order
             counts a call's body (a jit'd function, a scan, a cond's branches,
             in order) where the call is, and a body amp shares between calls
             runs the same way at each. The forward program is the one amp
@@ -45,18 +52,32 @@ class Fp8Recipe:
             traced apart from the program, so a last matmul inside one is
             not found: pin that function's scope instead,
             ``{"head": jaxamp.use_precision("bf16")}``.
+        attention: run batched matmuls (a ``dot_general`` with batch
+            dimensions: attention's scores and values, per-head products) in
+            float8 too. Default False, as Transformer Engine keeps attention
+            out of float8 unless asked: both operands are activations, and
+            one scale across all heads costs the heads with small values
+            their precision.
+        grouped: run grouped matmuls (``lax.ragged_dot``, mixture-of-experts
+            layers) in float8, with a scale per group (expert) for each
+            operand and cotangent, as Transformer Engine's grouped
+            quantisation does. Default False.
 
     Raises:
         TypeError: a field of the wrong type.
-        ValueError: a negative ``min_flops`` or a ``min_contraction`` below 1.
+        ValueError: a negative ``min_flops``, or a ``min_contraction`` or
+            ``gemm_multiple`` below 1.
     """
 
     min_flops: int = 0
     min_contraction: int = 16
-    keep_last_matmul_bf16: bool = False
+    gemm_multiple: int = 16
+    keep_last_matmul_bf16: bool = True
+    attention: bool = False
+    grouped: bool = False
 
     def __post_init__(self) -> None:
-        for name, least in (("min_flops", 0), ("min_contraction", 1)):
+        for name, least in (("min_flops", 0), ("min_contraction", 1), ("gemm_multiple", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(
@@ -64,11 +85,10 @@ class Fp8Recipe:
                 )
             if value < least:
                 raise ValueError(f"Fp8Recipe.{name} must be at least {least}, got {value}.")
-        if not isinstance(self.keep_last_matmul_bf16, (bool, np.bool_)):
-            raise TypeError(
-                f"Fp8Recipe.keep_last_matmul_bf16 must be a bool, got "
-                f"{self.keep_last_matmul_bf16!r} ({type(self.keep_last_matmul_bf16).__name__})."
-            )
+        for name in ("keep_last_matmul_bf16", "attention", "grouped"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"Fp8Recipe.{name} must be a bool, got {value!r} ({type(value).__name__}).")
 
 
 def as_recipe(compute_dtype: Any) -> Fp8Recipe | None:
