@@ -15,7 +15,9 @@ The same model, data order and initialisation run
 * under ``jaxamp.amp(loss, compute_dtype="fp8")``: bf16 mode with float8
   matmuls and convolutions (e4m3 operands scaled per tensor, e5m2 gradients;
   see README "## float8"). The first convolution sums only 1 x 3 x 3 = 9
-  products per output and stays bf16 (`jaxamp.Fp8Recipe.min_contraction`).
+  products per output and stays bf16 (`jaxamp.Fp8Recipe.min_contraction`), and
+  so does the logits layer, the program's last matmul (as torchao and
+  torchtitan keep the output projection; `Fp8Recipe.keep_last_matmul_bf16`).
 
 Parameters and optimizer state stay float32 in every run. At the end it prints a
 table (test accuracy, final loss, mean step time, skipped steps, final loss
