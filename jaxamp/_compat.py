@@ -699,7 +699,14 @@ def legacy_context_mesh() -> Any:
 
 @_internal
 def matmul_cotangents(
-    primitive: Any, g: Any, lhs: Any, rhs: Any, rest: Sequence[Any], params: dict, dtype: Any = None
+    primitive: Any,
+    g: Any,
+    lhs: Any,
+    rhs: Any,
+    rest: Sequence[Any],
+    params: dict,
+    dtype: Any = None,
+    only: str | None = None,
 ) -> tuple[Any, Any]:
     """``(d_lhs, d_rhs)`` of ``primitive.bind(lhs, rhs, *rest, **params)`` for cotangent `g`.
 
@@ -708,6 +715,7 @@ def matmul_cotangents(
     operands; ``params["preferred_element_type"]`` is the gradient matmuls'
     accumulation dtype. Each cotangent is returned in `dtype`, or in its
     operand's dtype when `dtype` is None (the rule converts at the end).
+    With ``only="lhs"`` (``"rhs"``) the other cotangent is not computed: None.
     """
     from jax._src.interpreters import ad as _ad
 
@@ -717,8 +725,8 @@ def matmul_cotangents(
         aval = jax.typeof(x)
         return _ad.UndefinedPrimal(aval if dtype is None else with_dtype(aval, dtype))
 
-    d_lhs = rule(g, undefined(lhs), rhs, *rest, **params)[0]
-    d_rhs = rule(g, lhs, undefined(rhs), *rest, **params)[1]
+    d_lhs = rule(g, undefined(lhs), rhs, *rest, **params)[0] if only != "rhs" else None
+    d_rhs = rule(g, lhs, undefined(rhs), *rest, **params)[1] if only != "lhs" else None
     return d_lhs, d_rhs
 
 

@@ -38,6 +38,7 @@ from .._casting import cast_value, dtype_of
 from .._dtypes import dtype_short_name, is_castable
 from .._options import AmpOptions
 from ..transform._interpreter import EquationEvent
+from ._explain import _check_callable
 
 __all__ = ["ComparisonReport", "GradientError", "ScopeError", "compare"]
 
@@ -145,8 +146,7 @@ def compare(fn: Callable, **amp_options: Any) -> Callable[..., ComparisonReport]
     # The same interpreter with an empty table runs every equation as written,
     # so both runs emit the same equations in the same order.
     reference = AmpOptions(compute_dtype=np.dtype(np.float32), table={})
-    if not callable(fn):
-        raise TypeError(f"compare expects a callable, got {type(fn).__name__}: {fn!r:.100}.")
+    _check_callable(fn, "compare")
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> ComparisonReport:

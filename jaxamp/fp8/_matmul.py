@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -71,7 +71,7 @@ _COTANGENT_FORMAT = {"conv_general_dilated": E4M3}
 # --- quantisation and the scaled matmul ----------------------------------------
 
 
-def quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
+def quantize(x: Any, fmt: Any, power_of_two: bool = False) -> tuple[Any, Any]:
     """Quantise `x` to the float8 format `fmt` with a per-tensor current scale.
 
     Args:
@@ -91,7 +91,7 @@ def quantize(x: Any, fmt: Any) -> tuple[Any, Any]:
         finite entry into 0 and the whole result into NaN.
     """
     x32 = lax.convert_element_type(x, _F32)
-    scale = _scale(lax.reduce_max(_finite_magnitude(x32), tuple(range(x32.ndim))), fmt)
+    scale = _scale(lax.reduce_max(_finite_magnitude(x32), tuple(range(x32.ndim))), fmt, power_of_two)
     return _apply_scale(x32, scale, fmt), scale
 
 
@@ -103,10 +103,18 @@ def _finite_magnitude(x32: Any) -> Any:
     return lax.select(lax.is_finite(x32), lax.abs(x32), lax.full_like(x32, 0.0))
 
 
-def _scale(amax: Any, fmt: Any) -> Any:
-    """``amax / max(fmt)``, 1 where that is not positive (an all-zero or empty tensor)."""
+def _scale(amax: Any, fmt: Any, power_of_two: bool = False) -> Any:
+    """``amax / max(fmt)``, 1 where that is not positive (an all-zero or empty tensor).
+
+    With `power_of_two`, rounded up to a power of two (so ``amax / scale``
+    still fits the format and scaling changes no mantissa bit).
+    """
     scale = amax / np.float32(jnp.finfo(fmt).max)
-    return lax.select(scale > 0, scale, lax.full_like(scale, 1.0))
+    scale = lax.select(scale > 0, scale, lax.full_like(scale, 1.0))
+    if power_of_two:
+        mantissa, exponent = jnp.frexp(scale)
+        scale = jnp.ldexp(jnp.ones_like(scale), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    return scale
 
 
 def _apply_scale(x32: Any, scale: Any, fmt: Any) -> Any:
@@ -137,7 +145,7 @@ def _quantize_per_group(x: Any, fmt: Any) -> tuple[Any, Any]:
 
 
 
-def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
+def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype, power_of_two=False):
     """``f(lhs, rhs, *rest)``: the matmul in float8 with current scaling (see the module doc).
 
     Args:
@@ -145,13 +153,14 @@ def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
         lhs_dtype, rhs_dtype: the operands' dtypes as amp holds them, which
             their cotangents must have.
         out_dtype: the dtype the result is handed on in (amp's compute dtype).
+        power_of_two: round the scales up to powers of two.
     """
     params = dict(params, preferred_element_type=_F32)
     cotangent_format = _COTANGENT_FORMAT.get(primitive.name, E5M2)
 
     def forward(lhs, rhs, *rest):
-        q_lhs, s_lhs = quantize(lhs, E4M3)
-        q_rhs, s_rhs = quantize(rhs, E4M3)
+        q_lhs, s_lhs = quantize(lhs, E4M3, power_of_two)
+        q_rhs, s_rhs = quantize(rhs, E4M3, power_of_two)
         out = primitive.bind(q_lhs, q_rhs, *rest, **params)
         return (out * (s_lhs * s_rhs)).astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs, rest)
 
@@ -161,7 +170,7 @@ def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
 
     def backward(residuals, g):
         q_lhs, s_lhs, q_rhs, s_rhs, rest = residuals
-        q_g, s_g = quantize(g, cotangent_format)
+        q_g, s_g = quantize(g, cotangent_format, power_of_two)
         # JAX's own transposes, on the float8 operands as they are typed here
         # (sharding, varying axes): the gradient matmuls' dimension numbers,
         # paddings, feature groups and output shardings stay JAX's.
@@ -172,6 +181,95 @@ def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype):
             (d_rhs * (s_g * s_lhs)).astype(rhs_dtype),
             *(None for _ in rest),
         )
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def _quantize_along(x: Any, fmt: Any, contracted: Sequence[int], power_of_two: bool) -> tuple[Any, Any]:
+    """`quantize` with one scale per index of the dimensions not in `contracted`.
+
+    Returns ``(q, scale)``, `scale` holding the kept dimensions in order.
+    """
+    x32 = lax.convert_element_type(x, _F32)
+    contracted = tuple(sorted(contracted))
+    scale = _scale(lax.reduce_max(_finite_magnitude(x32), contracted), fmt, power_of_two)
+    return _apply_scale(x32, lax.expand_dims(scale, contracted), fmt), scale
+
+
+def _place(scale: Any, kept: Sequence[int], position: dict, shape: Sequence[int]) -> Any:
+    """`scale` (over dims `kept` of its operand, in order) broadcast into a result of `shape`.
+
+    `position` maps each kept dim to the result's dimension it becomes.
+    """
+    order = sorted(range(len(kept)), key=lambda k: position[kept[k]])
+    return lax.broadcast_in_dim(
+        lax.transpose(scale, order), tuple(shape), tuple(position[kept[k]] for k in order)
+    )
+
+
+def _scaled_rowwise_dot(params, lhs_dtype, rhs_dtype, out_dtype, power_of_two, weight_gradient_hp):
+    """``f(lhs, rhs)``: a ``dot_general`` in float8 with a scale per row along each contraction.
+
+    torchao's rowwise recipe, for any dimension numbers. Forward: each
+    operand gets one scale per index of its dimensions other than the
+    contracting ones (a left operand's rows, a right operand's columns).
+    Backward: the operands, saved in the compute dtype, are quantised again
+    along the gradient matmuls' own contractions (``d_lhs`` contracts the
+    right operand's free dimensions, ``d_rhs`` the left operand's), as is the
+    cotangent; with `weight_gradient_hp` the right operand's gradient runs in
+    the compute dtype instead.
+    """
+    primitive = _compat.primitives_by_name()["dot_general"]
+    params = dict(params, preferred_element_type=_F32)
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+
+    def layout(lhs_ndim, rhs_ndim):
+        lf = [d for d in range(lhs_ndim) if d not in (*lc, *lb)]
+        rf = [d for d in range(rhs_ndim) if d not in (*rc, *rb)]
+        batch, out_lf = range(len(lb)), range(len(lb), len(lb) + len(lf))
+        out_rf = range(len(lb) + len(lf), len(lb) + len(lf) + len(rf))
+        return lf, rf, batch, out_lf, out_rf
+
+    def forward(lhs, rhs):
+        lf, rf, batch, out_lf, out_rf = layout(lhs.ndim, rhs.ndim)
+        q_lhs, s_lhs = _quantize_along(lhs, E4M3, lc, power_of_two)
+        q_rhs, s_rhs = _quantize_along(rhs, E4M3, rc, power_of_two)
+        out = primitive.bind(q_lhs, q_rhs, **params)
+        to_out_lhs = {**dict(zip(lb, batch)), **dict(zip(lf, out_lf))}
+        to_out_rhs = {**dict(zip(rb, batch)), **dict(zip(rf, out_rf))}
+        out = out * _place(s_lhs, sorted(to_out_lhs), to_out_lhs, out.shape)
+        out = out * _place(s_rhs, sorted(to_out_rhs), to_out_rhs, out.shape)
+        return out.astype(out_dtype), (lhs.astype(out_dtype), rhs.astype(out_dtype))
+
+    @jax.custom_vjp
+    def matmul(lhs, rhs):
+        return forward(lhs, rhs)[0]
+
+    def backward(residuals, g):
+        lhs, rhs = residuals
+        lf, rf, batch, out_lf, out_rf = layout(lhs.ndim, rhs.ndim)
+        # d_lhs contracts the cotangent's and the right operand's free dims.
+        q_g, s_g = _quantize_along(g, E5M2, tuple(out_rf), power_of_two)
+        q_rhs, s_rhs = _quantize_along(rhs, E4M3, rf, power_of_two)
+        d_lhs = _compat.matmul_cotangents(primitive, q_g, lhs, q_rhs, (), params, _F32, only="lhs")[0]
+        g_to_lhs = {**dict(zip(batch, lb)), **dict(zip(out_lf, lf))}
+        rhs_to_lhs = {**dict(zip(rb, lb)), **dict(zip(rc, lc))}
+        d_lhs = d_lhs * _place(s_g, sorted(g_to_lhs), g_to_lhs, lhs.shape)
+        d_lhs = d_lhs * _place(s_rhs, sorted(rhs_to_lhs), rhs_to_lhs, lhs.shape)
+        if weight_gradient_hp:
+            high = dict(params, preferred_element_type=np.dtype(out_dtype))
+            d_rhs = _compat.matmul_cotangents(primitive, g.astype(out_dtype), lhs, rhs, (), high, only="rhs")[1]
+            return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
+        # d_rhs contracts the cotangent's and the left operand's free dims.
+        q_g, s_g = _quantize_along(g, E5M2, tuple(out_lf), power_of_two)
+        q_lhs, s_lhs = _quantize_along(lhs, E4M3, lf, power_of_two)
+        d_rhs = _compat.matmul_cotangents(primitive, q_g, q_lhs, rhs, (), params, _F32, only="rhs")[1]
+        g_to_rhs = {**dict(zip(batch, rb)), **dict(zip(out_rf, rf))}
+        lhs_to_rhs = {**dict(zip(lb, rb)), **dict(zip(lc, rc))}
+        d_rhs = d_rhs * _place(s_g, sorted(g_to_rhs), g_to_rhs, rhs.shape)
+        d_rhs = d_rhs * _place(s_lhs, sorted(lhs_to_rhs), lhs_to_rhs, rhs.shape)
+        return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
     matmul.defvjp(forward, backward)
     return matmul
@@ -241,11 +339,22 @@ def _normalised(dimension_numbers: Any) -> tuple:
     return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
 
 
-def formats(primitive_name: str) -> str:
-    """How fp8 mode runs a matmul of `primitive_name`, for diagnostics."""
+def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
+    """How fp8 mode runs a matmul of `primitive_name` under `recipe`, for diagnostics."""
+    recipe = Fp8Recipe() if recipe is None else recipe
     cotangent = dtype_short_name(_COTANGENT_FORMAT.get(primitive_name, E5M2))
-    scaling = "current, per group" if primitive_name == "ragged_dot_general" else "current"
-    return f"float8 e4m3 x e4m3 -> f32; backward {cotangent} x e4m3 -> f32; scaling: {scaling}"
+    backward = f"backward {cotangent} x e4m3 -> f32"
+    if primitive_name == "ragged_dot_general":
+        scaling = "current, per group"
+    elif primitive_name == "dot_general" and recipe.scaling != "tensorwise":
+        scaling = "current, rowwise"
+        if recipe.scaling == "rowwise_with_gw_hp":
+            backward += " (weight gradient bf16)"
+    else:
+        scaling = "current"
+    if recipe.rounds_scales_to_powers_of_two and primitive_name != "ragged_dot_general":
+        scaling += ", power-of-two scales"
+    return f"float8 e4m3 x e4m3 -> f32; {backward}; scaling: {scaling}"
 
 
 # --- the rule -----------------------------------------------------------------
@@ -335,13 +444,18 @@ class Fp8MatmulRule:
         if reason:
             return EquationRewrite(None, (), f"kept {dtype_short_name(compute_dtype)}: {reason}")
         lhs, rhs, *rest = invars
-        scaled = _scaled_ragged_dot if eqn.primitive.name == "ragged_dot_general" else None
-        if scaled is not None:
-            fn = scaled(bind_params, dtype_of(lhs), dtype_of(rhs), compute_dtype)
+        recipe, name = self.recipe, eqn.primitive.name
+        dtypes = (dtype_of(lhs), dtype_of(rhs), compute_dtype)
+        power_of_two = recipe.rounds_scales_to_powers_of_two
+        if name == "ragged_dot_general":
+            fn = _scaled_ragged_dot(bind_params, *dtypes)
+        elif name == "dot_general" and recipe.scaling != "tensorwise":
+            weight_gradient_hp = recipe.scaling == "rowwise_with_gw_hp"
+            fn = _scaled_rowwise_dot(bind_params, *dtypes, power_of_two, weight_gradient_hp)
         else:
-            fn = _scaled_matmul(eqn.primitive, bind_params, dtype_of(lhs), dtype_of(rhs), compute_dtype)
+            fn = _scaled_matmul(eqn.primitive, bind_params, *dtypes, power_of_two)
         operand_dtypes = (E4M3, E4M3, *(dtype_of(x) for x in rest))
-        return EquationRewrite(fn, operand_dtypes, formats(eqn.primitive.name))
+        return EquationRewrite(fn, operand_dtypes, formats(name, recipe))
 
     def _keep_out(self, original_dtypes, eqn) -> str:
         """Why the matmul stays in compute precision, or ``""``."""

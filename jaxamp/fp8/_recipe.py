@@ -7,9 +7,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FP8_NAMES", "Fp8Recipe", "as_recipe"]
+__all__ = ["FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe"]
 
 FP8_NAMES = ("fp8", "float8")
+SCALINGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""`Fp8Recipe.scaling` values (torchao's names)."""
 """The `compute_dtype` names of fp8 mode (case and surrounding spaces ignored)."""
 
 
@@ -18,10 +20,27 @@ class Fp8Recipe:
     """The choices of amp's float8 mode: pass as ``amp(fn, compute_dtype=Fp8Recipe(...))``.
 
     ``compute_dtype="fp8"`` (or ``"float8"``) is ``Fp8Recipe()``. Scaling is
-    always "current": each operand's scale comes from its own amax in the same
+    "current": each scale comes from an amax of the live tensor in the same
     step, so there is no scaling state to carry between steps.
 
     Attributes:
+        scaling: how many scales a matmul's operands get.
+            ``"tensorwise"`` (the default; Transformer Engine's
+            ``Float8CurrentScaling``, torchao's tensorwise): one per operand
+            and per cotangent; the backward pass reuses the float8 operands.
+            ``"rowwise"`` (torchao's rowwise): one per row of each operand
+            along the contraction (a left operand's row, a right operand's
+            column), so a row of small values keeps its precision beside
+            large ones; the backward pass saves the operands in bfloat16 (2
+            bytes per element, against tensorwise's 1) and quantises them
+            again along its own contractions, as torchao does.
+            ``"rowwise_with_gw_hp"``: rowwise, with the weight gradient (the
+            right operand's) computed in bfloat16 (torchao's recipe of that
+            name). Rowwise applies to ``dot_general``; convolutions and
+            grouped matmuls keep their own scaling.
+        power_of_two_scales: round each scale up to a power of two, so that
+            scaling changes no mantissa bit. None (the default) means True
+            for the rowwise recipes and False for tensorwise, as torchao.
         min_flops: matmuls of fewer FLOPs (``2 * M * N * K`` per call, from the
             shapes) stay in bfloat16. Quantising costs two passes over each
             operand, which only a large enough matmul earns back; where that
@@ -65,10 +84,12 @@ class Fp8Recipe:
 
     Raises:
         TypeError: a field of the wrong type.
-        ValueError: a negative ``min_flops``, or a ``min_contraction`` or
-            ``gemm_multiple`` below 1.
+        ValueError: an unknown ``scaling``, a negative ``min_flops``, or a
+            ``min_contraction`` or ``gemm_multiple`` below 1.
     """
 
+    scaling: str = "tensorwise"
+    power_of_two_scales: bool | None = None
     min_flops: int = 0
     min_contraction: int = 16
     gemm_multiple: int = 16
@@ -85,10 +106,25 @@ class Fp8Recipe:
                 )
             if value < least:
                 raise ValueError(f"Fp8Recipe.{name} must be at least {least}, got {value}.")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}.")
+        if self.power_of_two_scales is not None and not isinstance(self.power_of_two_scales, (bool, np.bool_)):
+            raise TypeError(
+                "Fp8Recipe.power_of_two_scales must be a bool or None, got "
+                f"{self.power_of_two_scales!r} ({type(self.power_of_two_scales).__name__})."
+            )
         for name in ("keep_last_matmul_bf16", "attention", "grouped"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"Fp8Recipe.{name} must be a bool, got {value!r} ({type(value).__name__}).")
+
+
+    @property
+    def rounds_scales_to_powers_of_two(self) -> bool:
+        """`power_of_two_scales` with its default resolved."""
+        if self.power_of_two_scales is None:
+            return self.scaling != "tensorwise"
+        return bool(self.power_of_two_scales)
 
 
 def as_recipe(compute_dtype: Any) -> Fp8Recipe | None:
