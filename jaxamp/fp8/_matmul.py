@@ -90,12 +90,21 @@ def quantize(x: Any, fmt: Any, power_of_two: bool = False) -> tuple[Any, Any]:
         would hide it, and a scale taken from an infinite amax would turn every
         finite entry into 0 and the whole result into NaN.
     """
+    return _quantize_along(x, fmt, range(np.ndim(x)), power_of_two)
+
+
+def _quantize_along(x: Any, fmt: Any, contracted: Sequence[int], power_of_two: bool = False) -> tuple[Any, Any]:
+    """`quantize` with one scale per index of the dimensions not in `contracted`.
+
+    Returns ``(q, scale)``, `scale` holding the kept dimensions in order.
+    """
     x32 = lax.convert_element_type(x, _F32)
-    scale = _scale(lax.reduce_max(_finite_magnitude(x32), tuple(range(x32.ndim))), fmt, power_of_two)
-    return _apply_scale(x32, scale, fmt), scale
+    contracted = tuple(sorted(contracted))
+    scale = _scale(lax.reduce_max(_finite_magnitude(x32), contracted), fmt, power_of_two)
+    return _apply_scale(x32, lax.expand_dims(scale, contracted), fmt), scale
 
 
-# lax, not jnp, in these helpers: each jnp helper would add a nested jit to every matmul.
+# lax rather than jnp in these helpers: each jnp helper adds a nested jit to every matmul.
 
 
 def _finite_magnitude(x32: Any) -> Any:
@@ -134,15 +143,6 @@ def _quantize_rows_by_group(x: Any, fmt: Any, group_ids: Any, num_groups: int) -
     scales = _scale(jax.ops.segment_max(row_amax, group_ids, num_segments=num_groups), fmt)
     row_scales = scales[group_ids].reshape((-1,) + (1,) * (x32.ndim - 1))
     return _apply_scale(x32, row_scales, fmt), scales
-
-
-def _quantize_per_group(x: Any, fmt: Any) -> tuple[Any, Any]:
-    """`quantize` with one scale per index of the leading (group) axis."""
-    x32 = lax.convert_element_type(x, _F32)
-    scales = _scale(lax.reduce_max(_finite_magnitude(x32), tuple(range(1, x32.ndim))), fmt)
-    return _apply_scale(x32, scales.reshape((-1,) + (1,) * (x32.ndim - 1)), fmt), scales
-
-
 
 
 def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype, power_of_two=False):
@@ -184,17 +184,6 @@ def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype, power_of_
 
     matmul.defvjp(forward, backward)
     return matmul
-
-
-def _quantize_along(x: Any, fmt: Any, contracted: Sequence[int], power_of_two: bool) -> tuple[Any, Any]:
-    """`quantize` with one scale per index of the dimensions not in `contracted`.
-
-    Returns ``(q, scale)``, `scale` holding the kept dimensions in order.
-    """
-    x32 = lax.convert_element_type(x, _F32)
-    contracted = tuple(sorted(contracted))
-    scale = _scale(lax.reduce_max(_finite_magnitude(x32), contracted), fmt, power_of_two)
-    return _apply_scale(x32, lax.expand_dims(scale, contracted), fmt), scale
 
 
 def _place(scale: Any, kept: Sequence[int], position: dict, shape: Sequence[int]) -> Any:
@@ -296,7 +285,7 @@ def _scaled_ragged_dot(params, lhs_dtype, rhs_dtype, out_dtype):
         num_groups, rows = rhs.shape[0], lhs.shape[0]
         ids = group_ids(group_sizes, rows)
         q_lhs, s_lhs = _quantize_rows_by_group(lhs, E4M3, ids, num_groups)
-        q_rhs, s_rhs = _quantize_per_group(rhs, E4M3)
+        q_rhs, s_rhs = _quantize_along(rhs, E4M3, range(1, rhs.ndim))  # a scale per group
         out = primitive.bind(q_lhs, q_rhs, group_sizes, **params)
         out = out * (s_lhs * s_rhs)[ids][:, None]
         return out.astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs, group_sizes, ids)

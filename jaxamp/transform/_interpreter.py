@@ -525,31 +525,28 @@ def _apply_rule(
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     before = tuple(dtype_of(x) for x in invals)
-    rewrite = None
-    if hasattr(choice.rule, "rewrite_equation"):
-        rewrite = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *invals, **params)
-    if rewrite is not None and rewrite.fn is not None:
-        new_invals, after = invals, tuple(rewrite.operand_dtypes)
-        outvals = rewrite.fn(*invals)
-    else:
-        with shared_casts({} if casts is None else casts):
-            new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, invals, params)
-        after = tuple(dtype_of(x) for x in new_invals)
-        if not force_original:  # a handler that failed has warned already
-            _warn_if_moved_back(eqn, choice, params, before, after, ctx.compute_dtype)
-        outvals = eqn.primitive.bind(*new_invals, **new_params)
+
+    def run(operands: list, casts: dict) -> tuple[Any, list, tuple, Any]:
+        """``(outputs, operands as bound, their dtypes, the rewrite or None)``."""
+        rewrite = None
+        if hasattr(choice.rule, "rewrite_equation"):
+            rewrite = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *operands, **params)
+        if rewrite is not None and rewrite.fn is not None:
+            return rewrite.fn(*operands), operands, tuple(rewrite.operand_dtypes), rewrite
+        with shared_casts(casts):
+            new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, operands, params)
+        bound = eqn.primitive.bind(*new_invals, **new_params)
+        return bound, new_invals, tuple(dtype_of(x) for x in new_invals), rewrite
+
+    outvals, new_invals, after, rewrite = run(invals, {} if casts is None else casts)
+    if (rewrite is None or rewrite.fn is None) and not force_original:
+        # (A handler that failed has warned already.)
+        _warn_if_moved_back(eqn, choice, params, before, after, ctx.compute_dtype)
     if ctx.observer is not None:
         outs = tuple(outvals) if eqn.primitive.multiple_results else (outvals,)
 
         def replay(*operands: Any) -> tuple:
-            again = None
-            if hasattr(choice.rule, "rewrite_equation"):
-                again = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *operands, **params)
-            if again is not None and again.fn is not None:
-                result = again.fn(*operands)
-            else:
-                new, new_params = _call_rule(choice, ctx.compute_dtype, original, list(operands), params)
-                result = eqn.primitive.bind(*new, **new_params)
+            result = run(list(operands), {})[0]
             return tuple(result) if eqn.primitive.multiple_results else (result,)
 
         ctx.observer(
