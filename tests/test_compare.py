@@ -161,3 +161,17 @@ def test_bad_input():
     params, x = _params()
     with pytest.raises(TypeError, match="needs concrete arrays"):
         jax.jit(jaxamp.compare(_badly_scaled))(params, x)
+
+
+def test_nans_where_float32_has_them_too_are_not_amp_errors():
+    params, x = _params()
+
+    def log_of(params, x):
+        with jax.named_scope("log"):
+            return jnp.tanh(x @ params[0]) + jnp.log(x[:, :1])  # NaN rows where x[:, 0] < 0, in both runs
+
+    report = jaxamp.compare(log_of, compute_dtype="bf16")(params, x)
+    assert 30 < report.output_db < math.inf, str(report)
+    # amp going non-finite where float32 does not is reported as such.
+    overflowing = lambda p, x: jnp.tanh((x * 3e4) @ (p[0] * 3e4))  # noqa: E731
+    assert "nonfinite" in str(jaxamp.compare(overflowing, compute_dtype="f16")(params, x))

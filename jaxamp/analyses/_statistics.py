@@ -326,6 +326,14 @@ def _norm_runs(
     return merge_runs(spans)
 
 
+def _is_affine(eqn: Any) -> bool:
+    """Whether `eqn` can be part of a norm's affine part: `_AFFINE` ops, or a call of only those."""
+    body = _compat.call_body(eqn)
+    if body is None:
+        return eqn.primitive.name in _AFFINE
+    return all(_is_affine(inner) for inner in getattr(body, "jaxpr", body).eqns)
+
+
 def _affine_end(eqns: Sequence[Any], last: int, per_feature: set[Any], heavy: Callable) -> int:
     """Where a norm's run ends: after `last` and the affine equations that follow it."""
     normalised = set(eqns[last].outvars)
@@ -333,7 +341,7 @@ def _affine_end(eqns: Sequence[Any], last: int, per_feature: set[Any], heavy: Ca
     end = last + 1
     for k in range(last + 1, len(eqns)):
         eqn = eqns[k]
-        if heavy(k) or eqn.primitive.name not in _AFFINE and _compat.call_body(eqn) is None:
+        if heavy(k) or not _is_affine(eqn):
             break
         operands = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
         if not any(v in normalised for v in operands):

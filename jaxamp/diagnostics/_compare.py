@@ -194,7 +194,7 @@ def _sqnr(reference: Sequence[Any], approximate: Sequence[Any]) -> float:
         ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
         x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
         finite = np.isfinite(ref)
-        if not np.array_equal(np.isfinite(x), finite) or not np.array_equal(x[~finite], ref[~finite]):
+        if not np.array_equal(np.isfinite(x), finite) or not np.array_equal(x[~finite], ref[~finite], equal_nan=True):
             return -math.inf  # amp's value went non-finite where float32's did not (or differs)
         signal += float(np.sum(ref[finite] ** 2))
         noise += float(np.sum((x[finite] - ref[finite]) ** 2))
