@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -318,7 +318,7 @@ def _norm_runs(
         first = min(needed)
         if any(heavy(k) for k in range(first, last + 1)):
             continue
-        end = _affine_end(eqns, last, per_feature, heavy)
+        end = _affine_end(eqns, last, per_feature)
         # A lone equation gains nothing: the body of `jnp.multiply`, or a
         # call to a whole norm (its body has the run).
         if end - first > 1:
@@ -331,17 +331,20 @@ def _is_affine(eqn: Any) -> bool:
     body = _compat.call_body(eqn)
     if body is None:
         return eqn.primitive.name in _AFFINE
-    return all(_is_affine(inner) for inner in getattr(body, "jaxpr", body).eqns)
+    return all(_is_affine(inner) for inner in body.eqns)
 
 
-def _affine_end(eqns: Sequence[Any], last: int, per_feature: set[Any], heavy: Callable) -> int:
-    """Where a norm's run ends: after `last` and the affine equations that follow it."""
+def _affine_end(eqns: Sequence[Any], last: int, per_feature: set[Any]) -> int:
+    """Where a norm's run ends: after `last` and the affine equations that follow it.
+
+    Affine equations (`_is_affine`) hold no matmul and no side effect.
+    """
     normalised = set(eqns[last].outvars)
     size = max(_size(v) for v in normalised)
     end = last + 1
     for k in range(last + 1, len(eqns)):
         eqn = eqns[k]
-        if heavy(k) or not _is_affine(eqn):
+        if not _is_affine(eqn):
             break
         operands = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
         if not any(v in normalised for v in operands):

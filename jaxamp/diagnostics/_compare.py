@@ -183,8 +183,12 @@ def _check_concrete(args: tuple, kwargs: dict) -> None:
             )
 
 
+def _is_floating(x: Any) -> bool:
+    return jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.floating)
+
+
 def _floats(tree: Any) -> list:
-    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.floating)]
+    return [x for x in jax.tree.leaves(tree) if _is_floating(x)]
 
 
 def _sqnr(reference: Sequence[Any], approximate: Sequence[Any]) -> float:
@@ -277,7 +281,7 @@ def _scope_errors(amp_events: list, float32_events: list, float32_out: Any) -> t
             group_of[v] = group
             if id(float32) in returned:
                 leaves.add(v)
-            if jnp.issubdtype(getattr(float32, "dtype", np.int32), jnp.floating):
+            if _is_floating(float32):
                 values[group][v] = _Values(float32, amp, own, own_float32)
             else:
                 values[group].pop(v, None)
@@ -302,13 +306,10 @@ def _scope_errors(amp_events: list, float32_events: list, float32_out: Any) -> t
 
 
 def _gradient_errors(fn: Callable, options: AmpOptions, args: tuple, kwargs: dict, out: Any) -> tuple:
-    if not (jnp.ndim(out) == 0 and jnp.issubdtype(getattr(out, "dtype", np.int32), jnp.floating)):
+    if not (jnp.ndim(out) == 0 and _is_floating(out)):
         return ()
     paths, treedef = jax.tree_util.tree_flatten_with_path(args)
-    floating = [
-        k for k, (_, leaf) in enumerate(paths)
-        if jnp.issubdtype(getattr(leaf, "dtype", np.int32), jnp.floating)
-    ]  # fmt: skip
+    floating = [k for k, (_, leaf) in enumerate(paths) if _is_floating(leaf)]
     leaves = [leaf for _, leaf in paths]
 
     def with_leaves(f: Callable) -> Callable:

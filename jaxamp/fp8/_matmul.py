@@ -235,29 +235,36 @@ def _scaled_rowwise_dot(params, lhs_dtype, rhs_dtype, out_dtype, power_of_two, w
     def matmul(lhs, rhs):
         return forward(lhs, rhs)[0]
 
+    def gradient(side, g, operand, other, g_contracted, g_to, operand_contracted, operand_to):
+        # One gradient matmul: the cotangent and `operand` (the other side's
+        # operand) quantised along this matmul's contraction, the result
+        # rescaled by both scales placed in `other`'s layout.
+        q_g, s_g = _quantize_along(g, E5M2, g_contracted, power_of_two)
+        q_operand, s_operand = _quantize_along(operand, E4M3, operand_contracted, power_of_two)
+        pair = (other, q_operand) if side == "lhs" else (q_operand, other)
+        found = _compat.matmul_cotangents(primitive, q_g, *pair, (), params, _F32, only=side)
+        d = found[0] if side == "lhs" else found[1]
+        d = d * _place(s_g, sorted(g_to), g_to, other.shape)
+        return d * _place(s_operand, sorted(operand_to), operand_to, other.shape)
+
     def backward(residuals, g):
         lhs, rhs = residuals
         lf, rf, batch, out_lf, out_rf = layout(lhs.ndim, rhs.ndim)
         # d_lhs contracts the cotangent's and the right operand's free dims.
-        q_g, s_g = _quantize_along(g, E5M2, tuple(out_rf), power_of_two)
-        q_rhs, s_rhs = _quantize_along(rhs, E4M3, rf, power_of_two)
-        d_lhs = _compat.matmul_cotangents(primitive, q_g, lhs, q_rhs, (), params, _F32, only="lhs")[0]
-        g_to_lhs = {**dict(zip(batch, lb)), **dict(zip(out_lf, lf))}
-        rhs_to_lhs = {**dict(zip(rb, lb)), **dict(zip(rc, lc))}
-        d_lhs = d_lhs * _place(s_g, sorted(g_to_lhs), g_to_lhs, lhs.shape)
-        d_lhs = d_lhs * _place(s_rhs, sorted(rhs_to_lhs), rhs_to_lhs, lhs.shape)
+        d_lhs = gradient(
+            "lhs", g, rhs, lhs,
+            tuple(out_rf), {**dict(zip(batch, lb)), **dict(zip(out_lf, lf))},
+            rf, {**dict(zip(rb, lb)), **dict(zip(rc, lc))},
+        )  # fmt: skip
         if weight_gradient_hp:
             high = dict(params, preferred_element_type=np.dtype(out_dtype))
             d_rhs = _compat.matmul_cotangents(primitive, g.astype(out_dtype), lhs, rhs, (), high, only="rhs")[1]
-            return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
-        # d_rhs contracts the cotangent's and the left operand's free dims.
-        q_g, s_g = _quantize_along(g, E5M2, tuple(out_lf), power_of_two)
-        q_lhs, s_lhs = _quantize_along(lhs, E4M3, lf, power_of_two)
-        d_rhs = _compat.matmul_cotangents(primitive, q_g, q_lhs, rhs, (), params, _F32, only="rhs")[1]
-        g_to_rhs = {**dict(zip(batch, rb)), **dict(zip(out_rf, rf))}
-        lhs_to_rhs = {**dict(zip(lb, rb)), **dict(zip(lc, rc))}
-        d_rhs = d_rhs * _place(s_g, sorted(g_to_rhs), g_to_rhs, rhs.shape)
-        d_rhs = d_rhs * _place(s_lhs, sorted(lhs_to_rhs), lhs_to_rhs, rhs.shape)
+        else:  # d_rhs contracts the cotangent's and the left operand's free dims.
+            d_rhs = gradient(
+                "rhs", g, lhs, rhs,
+                tuple(out_lf), {**dict(zip(batch, rb)), **dict(zip(out_rf, rf))},
+                lf, {**dict(zip(lb, rb)), **dict(zip(lc, rc))},
+            )  # fmt: skip
         return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
 
     matmul.defvjp(forward, backward)
