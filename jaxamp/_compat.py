@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,7 @@ from jax._src.ad_util import SymbolicZero, Zero
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters.ad import CustomVJPException
 from jax._src.state.types import AbstractRef as _AbstractRef
+from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "BWD_RETURNS_LOGS",
@@ -728,6 +730,38 @@ def matmul_cotangents(
     d_lhs = rule(g, undefined(lhs), rhs, *rest, **params)[0] if only != "rhs" else None
     d_rhs = rule(g, lhs, undefined(rhs), *rest, **params)[1] if only != "lhs" else None
     return d_lhs, d_rhs
+
+
+# --- fp8 scales per shard (jaxamp/fp8/_matmul.py) ---
+# On an Explicit mesh an array's type names the mesh axes each dimension is
+# split over (`jax.typeof(x).sharding`); on an Auto mesh it names none (XLA
+# places the array after tracing), and inside `shard_map` the manual axes are
+# not in the spec (the body sees one shard).
+
+
+def explicit_shards(x: Any) -> dict[int, tuple[int, Any]]:
+    """The dimensions of `x` split over Explicit mesh axes: ``{dim: (shards, spec entry)}``.
+
+    Only dimensions whose size the number of shards divides are listed.
+    """
+    aval = jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or not getattr(mesh, "axis_names", ()):
+        return {}
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    found = {}
+    for dim, entry in enumerate(spec):
+        if entry is None or entry == P.UNCONSTRAINED:
+            continue
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if not all(types.get(name) == jax.sharding.AxisType.Explicit for name in names):
+            continue
+        shards = math.prod(sizes[name] for name in names)
+        if shards > 1 and aval.shape[dim] % shards == 0:
+            found[dim] = (shards, entry)
+    return found
 
 
 # --- devices deciding together (jaxamp/scaling/_finite.py) ---

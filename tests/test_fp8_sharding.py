@@ -3,8 +3,11 @@
 The problem and layouts are those of `test_sharding_matrix` (a 2 x 2 mesh;
 data parallel, FSDP and tensor parallel), which also checks fp8 gradients
 against float32 and their shardings against `jax.grad`'s. Here: under `jit`
-the sharded fp8 step computes what the one-device fp8 step computes (scales
-from global amaxes, as on one device); every matmul, forward and backward,
+on an Auto mesh the sharded fp8 step computes what the one-device fp8 step
+computes (scales from global amaxes, as on one device), and on an Explicit mesh
+an operand split along a dimension the matmul does not contract gets a scale
+per shard, with gradients exact where float8 is exact and no more all-reduces
+than the bfloat16 step; every matmul, forward and backward,
 runs in float8 on every mode; the gradient matmuls are JAX's own transposes at
 the operands' types, so no trace made for one mesh is reused on another; and
 inside `shard_map` the scales are per device, with no collective beyond the
@@ -16,6 +19,9 @@ not in the other, and a changed bf16 bit moves a float8 rounding; measured
 relative-norm differences: 0 on these shapes (1.9% max-abs on a 64x32x128
 MLP). Hence 5e-2.
 """
+
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +60,13 @@ def test_jit_on_a_mesh_matches_one_device_fp8_with_every_matmul_in_float8(mode, 
         grads = jax.jit(grad_fn)(*args)
         jaxpr = jax.make_jaxpr(grad_fn)(*args)
     for name in one_device:
-        assert _relative_error(grads[name], one_device[name]) < TOLERANCE, name
+        if mode == "auto":
+            assert _relative_error(grads[name], one_device[name]) < TOLERANCE, name
+        else:
+            # Per-shard scales (see test_per_shard_scales_*): the float32
+            # tolerance of the shard_map test, which scales per device too.
+            want = jax.grad(_loss_for("jit", layout))(*_problem())[name]
+            assert _relative_error(grads[name], want) < 0.25, name
     matmuls = matmul_operand_dtypes(jaxpr)
     # Two forward matmuls, each with two gradient matmuls.
     assert len(matmuls) == 6, matmuls
@@ -112,3 +124,78 @@ def test_shard_map_scales_per_device_with_no_collective_of_its_own(layout):
         assert grads[name].dtype == jnp.float32
         # Per-device scales: the float32 tolerance of the matrix test.
         assert _relative_error(grads[name], want[name]) < 0.25, name
+
+
+# --- per-shard scales on Explicit meshes ---------------------------------------
+
+EXACT = jaxamp.Fp8Recipe(
+    min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False, attention=True, power_of_two_scales=True
+)
+
+
+def _powers_of_two(rng, *shape):
+    # Exact in e4m3 and e5m2 once divided by a power-of-two scale: float8
+    # matmuls then equal float32 ones, whatever scale each block gets. The
+    # second half of every dimension is 8x the first, so the blocks' scales
+    # differ and a scale applied to the wrong block shows.
+    exponents = rng.integers(-3, 3, shape)
+    for dim, size in enumerate(shape):
+        exponents = exponents + 3 * (np.arange(size) >= size // 2).reshape((-1,) + (1,) * (len(shape) - dim - 1))
+    return (rng.choice([-1, 1], shape) * 2.0**exponents).astype(np.float32)
+
+
+PER_SHARD_CASES = {
+    # name: (function, [(shape, spec) of x, w, c]); the loss is sum(f(x, w) * c).
+    "data parallel": ("bd,dh->bh", [((8, 16), P("data")), ((16, 32), P()), ((8, 32), P("data"))]),
+    "batch and sequence": ("bsd,dh->bsh", [((4, 8, 16), P("data", "model")), ((16, 32), P()), ((4, 8, 32), P("data", "model"))]),
+    "column parallel": ("bd,dh->bh", [((8, 16), P("data")), ((16, 32), P(None, "model")), ((8, 32), P("data", "model"))]),
+    "transposed weight": ("bd,hd->bh", [((8, 16), P("data")), ((32, 16), P("model")), ((8, 32), P("data", "model"))]),
+    "row parallel": ("bd,dh->bh", [((8, 16), P("data", "model")), ((16, 32), P("model")), ((8, 32), P("data"))]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PER_SHARD_CASES))
+def test_per_shard_scales_give_exact_gradients_and_keep_shardings(case):
+    subscripts, layout = PER_SHARD_CASES[case]
+    rng = np.random.default_rng(0)
+    values = [_powers_of_two(rng, *shape) for shape, _ in layout]
+
+    def loss(x, w, c, out_sharding=None):
+        return jnp.sum(jnp.einsum(subscripts, x, w, out_sharding=out_sharding) * c)
+
+    want = jax.grad(loss, argnums=(0, 1))(*values)
+    if case == "row parallel":  # the user says where the sum over "model" goes
+        loss = functools.partial(loss, out_sharding=layout[2][1])
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(v, spec) for v, (_, spec) in zip(values, layout)]
+        grad_fn = jax.grad(jaxamp.amp(loss, compute_dtype=EXACT), argnums=(0, 1))
+        got = jax.jit(grad_fn)(*args)
+        plain = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+        jaxpr = jax.make_jaxpr(grad_fn)(*args)
+    for g, w, p in zip(got, want, plain):
+        np.testing.assert_array_equal(np.asarray(g), w)
+        assert jax.typeof(g) == jax.typeof(p)
+    dtypes = matmul_operand_dtypes(jaxpr)
+    assert len(dtypes) == 3 and all(d in (E4M3, E5M2) for _, ds in dtypes for d in ds), dtypes
+
+
+def _all_reduces(compiled_text):
+    return len(re.findall(r" all-reduce(?:-start)?\(", compiled_text))
+
+
+@pytest.mark.parametrize("mode, layout, extra", [("explicit", "dp", 0), ("explicit", "tp", 1)])
+def test_per_shard_scales_need_no_all_reduce_beyond_bf16(mode, layout, extra):
+    # Data parallel: every amax is of a batch-sharded activation or cotangent,
+    # or of a replicated weight, so fp8 adds no all-reduce. Tensor parallel:
+    # the row-parallel matmul's operands are split along its contraction, and
+    # their scales agree across the "model" group (one all-reduce, as
+    # Transformer Engine reduces amaxes over the tensor-parallel group).
+    mesh = _mesh(mode)
+    counts = {}
+    with jax.set_mesh(mesh):
+        args = _sharded_args(mesh, layout)
+        for compute_dtype in ("bf16", FP8):
+            step = jax.jit(jax.grad(jaxamp.amp(_loss_for(mode, layout), compute_dtype=compute_dtype)))
+            counts[str(compute_dtype)] = _all_reduces(step.lower(*args).compile().as_text())
+    assert counts[str(FP8)] == counts["bf16"] + extra, counts

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from .._casting import dtype_of
@@ -121,8 +122,12 @@ def _scale(amax: Any, fmt: Any, power_of_two: bool = False) -> Any:
     scale = amax / np.float32(jnp.finfo(fmt).max)
     scale = lax.select(scale > 0, scale, lax.full_like(scale, 1.0))
     if power_of_two:
-        mantissa, exponent = jnp.frexp(scale)
-        scale = jnp.ldexp(jnp.ones_like(scale), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+        # Bits, not frexp: a positive float32 with any mantissa bit set goes
+        # to the next exponent (jnp.frexp also loses an Explicit sharding).
+        bits = lax.bitcast_convert_type(scale, np.int32)
+        exponent = lax.shift_right_logical(bits, np.int32(23))
+        inexact = lax.convert_element_type(lax.bitwise_and(bits, np.int32(0x7FFFFF)) != 0, np.int32)
+        scale = lax.bitcast_convert_type(lax.shift_left(exponent + inexact, np.int32(23)), _F32)
     return scale
 
 
@@ -269,6 +274,213 @@ def _scaled_rowwise_dot(params, lhs_dtype, rhs_dtype, out_dtype, power_of_two, w
 
     matmul.defvjp(forward, backward)
     return matmul
+
+
+def _split_blocks(aval, blocks):
+    """`aval`'s layout with its `blocks` dims split into ``(shards, size // shards)``.
+
+    Returns ``(shape, spec, at, block_at)``: the split shape and spec (the
+    shard dim carries the mesh axes, the remainder none), and, per original
+    dim, where it (its remainder) and its shard dim land.
+    """
+    spec = _spec_of(aval)
+    new_shape, new_spec, at, block_at = [], [], {}, {}
+    for dim, size in enumerate(aval.shape):
+        if dim in blocks:
+            shards, entry = blocks[dim]
+            block_at[dim] = len(new_shape)
+            new_shape += [shards, size // shards]
+            new_spec += [entry, None]
+        else:
+            new_shape.append(size)
+            new_spec.append(spec[dim])
+        at[dim] = len(new_shape) - 1
+    return tuple(new_shape), new_spec, at, block_at
+
+
+def _spec_of(aval):
+    spec = tuple(aval.sharding.spec)
+    return spec + (None,) * (aval.ndim - len(spec))
+
+
+def _free_dims(ndim, contracting, batch):
+    return [d for d in range(ndim) if d not in (*contracting, *batch)]
+
+
+def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
+    """The dims of a ``dot_general``'s operands that `_scaled_sharded_dot` scales per shard.
+
+    Each operand's dimensions split over Explicit mesh axes that the matmul
+    neither contracts nor batches: ``({dim: (shards, spec entry)}, {...})``.
+    Empty off an Explicit mesh.
+    """
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+
+    def blocks(x, contracting, batch, other):
+        # The other operand is broadcast along these dims, which it can only
+        # be where it is not split over the same mesh axes itself.
+        taken = {name for entry in _spec_of(jax.typeof(other)) for name in _axis_names(entry)}
+        shards = _compat.explicit_shards(x)
+        return {
+            d: shards[d]
+            for d in _free_dims(np.ndim(x), contracting, batch)
+            if d in shards and not taken.intersection(_axis_names(shards[d][1]))
+        }
+
+    return blocks(lhs, lc, lb, rhs), blocks(rhs, rc, rb, lhs)
+
+
+def _axis_names(entry: Any) -> tuple:
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _scaled_sharded_dot(params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False):
+    """``f(lhs, rhs)``: a tensorwise ``dot_general`` in float8 with a scale per shard.
+
+    On an Explicit mesh, an operand dimension that is split over mesh axes and
+    not contracted (an activation's batch or sequence dimension, a
+    column-parallel weight's output features) gets one scale per shard, so no
+    amax crosses devices: `lhs_blocks` and `rhs_blocks` (`sharded_free_dims`)
+    name those dimensions. Each is split into ``(shards, rest)`` and the shard
+    dims become batch dimensions of the float8 ``dot_general``, the other
+    operand broadcast along them (each device holds its shard's view), so every
+    product, forward and backward, meets one scale per operand and block. A
+    gradient that sums over blocks (data parallelism's weight gradient, tensor
+    parallelism's input gradient) sums the rescaled per-block products: the
+    all-reduce the bfloat16 step makes too. A dimension split along a
+    contraction (an FSDP or row-parallel weight) keeps one scale across its
+    shards, which must agree.
+    """
+    primitive = _compat.primitives_by_name()["dot_general"]
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs_order, rhs_order = sorted(lhs_blocks), sorted(rhs_blocks)
+    kl, kr, nb = len(lhs_order), len(rhs_order), len(lb)
+    l_split, r_split = _split_blocks(lhs_aval, lhs_blocks), _split_blocks(rhs_aval, rhs_blocks)
+    l_free, r_free = _free_dims(lhs_aval.ndim, lc, lb), _free_dims(rhs_aval.ndim, rc, rb)
+    (_, _, l_at, l_block), (_, _, r_at, r_block) = l_split, r_split
+    # Each operand split, the other's shard dims in front of it.
+    l_front = [rhs_blocks[d] for d in rhs_order]
+    r_front = [lhs_blocks[d] for d in lhs_order]
+    blocked_params = dict(
+        params,
+        out_sharding=_blocked_out_sharding(params.get("out_sharding"), lb, l_free, r_free, lhs_order, rhs_order),
+        dimension_numbers=(
+            (tuple(kr + l_at[d] for d in lc), tuple(kl + r_at[d] for d in rc)),
+            (
+                tuple(kr + l_at[d] for d in lb) + tuple(kr + l_block[d] for d in lhs_order) + tuple(range(kr)),
+                tuple(kl + r_at[d] for d in rb) + tuple(range(kl)) + tuple(kl + r_block[d] for d in rhs_order),
+            ),
+        ),
+        preferred_element_type=_F32,
+    )
+    # The blocked product is [batch, lhs shards, rhs shards, lhs free, rhs
+    # free]; `order` puts each shard dim before its remainder, so that a
+    # reshape merges them into the result's dims.
+    order, position = list(range(nb)), nb + kl + kr
+    for free, blocks, base in ((l_free, lhs_order, nb), (r_free, rhs_order, nb + kl)):
+        for d in free:
+            if d in blocks:
+                order.append(base + blocks.index(d))
+            order.append(position)
+            position += 1
+    out_shape, out_spec = _product_layout(
+        (lhs_aval.shape, _spec_of(lhs_aval)), (rhs_aval.shape, _spec_of(rhs_aval)), params["dimension_numbers"]
+    )
+    # The cotangent's way back: the blocked product's layout, in `order`.
+    blocked_shape, blocked_spec = _product_layout(
+        ((*(n for n, _ in l_front), *l_split[0]), [*(e for _, e in l_front), *l_split[1]]),
+        ((*(n for n, _ in r_front), *r_split[0]), [*(e for _, e in r_front), *r_split[1]]),
+        blocked_params["dimension_numbers"],
+    )
+    g_shape, g_spec = tuple(blocked_shape[i] for i in order), P(*(blocked_spec[i] for i in order))
+
+    def split(x, layout):
+        shape, spec, _, _ = layout
+        return lax.reshape(lax.convert_element_type(x, _F32), shape, out_sharding=P(*spec))
+
+    def quantize_blocks(x, layout, fmt):
+        kept = sorted(layout[3].values())
+        return _quantize_along(x, fmt, [d for d in range(x.ndim) if d not in kept], power_of_two)
+
+    def with_front(x, layout, front):
+        shape, spec, _, _ = layout
+        k = len(front)
+        return lax.broadcast_in_dim(
+            x, (*(n for n, _ in front), *shape), tuple(range(k, k + len(shape))),
+            out_sharding=P(*(entry for _, entry in front), *spec),
+        )
+
+    def merge(x, aval):
+        return lax.reshape(x, aval.shape, out_sharding=P(*_spec_of(aval)))
+
+    def forward(lhs, rhs):
+        q_lhs, s_lhs = quantize_blocks(split(lhs, l_split), l_split, E4M3)
+        q_rhs, s_rhs = quantize_blocks(split(rhs, r_split), r_split, E4M3)
+        out = primitive.bind(with_front(q_lhs, l_split, l_front), with_front(q_rhs, r_split, r_front), **blocked_params)
+        out = out * _place(s_lhs, range(kl), {i: nb + i for i in range(kl)}, out.shape)
+        out = out * _place(s_rhs, range(kr), {j: nb + kl + j for j in range(kr)}, out.shape)
+        out = lax.reshape(lax.transpose(out, order), out_shape, out_sharding=P(*out_spec))
+        return out.astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs)
+
+    @jax.custom_vjp
+    def matmul(lhs, rhs):
+        return forward(lhs, rhs)[0]
+
+    def rescaled(d, side, s_g, s_other, own_blocks, aval):
+        # `s_g` is over [lhs shards, rhs shards]; `own_blocks` maps this
+        # operand's shard index (among its own) to its dim in `d`.
+        lhs_side, k_front = side == "lhs", (kr if side == "lhs" else kl)
+        g_position = {
+            **{(i if lhs_side else kl + i): dim for i, dim in own_blocks.items()},
+            **{((kl + j) if lhs_side else j): j for j in range(k_front)},
+        }
+        d = d * _place(s_g, range(kl + kr), g_position, d.shape)
+        d = d * _place(s_other, range(k_front), {j: j for j in range(k_front)}, d.shape)
+        return merge(lax.reduce_sum(d, tuple(range(k_front))) if k_front else d, aval)
+
+    def backward(residuals, g):
+        q_lhs, s_lhs, q_rhs, s_rhs = residuals
+        blocked_lhs, blocked_rhs = with_front(q_lhs, l_split, l_front), with_front(q_rhs, r_split, r_front)
+        # The cotangent in the blocked product's layout, a scale per block.
+        g = lax.reshape(lax.convert_element_type(g, _F32), g_shape, out_sharding=g_spec)
+        g = lax.transpose(g, tuple(int(i) for i in np.argsort(order)))
+        q_g, s_g = _quantize_along(g, E5M2, [d for d in range(g.ndim) if not nb <= d < nb + kl + kr], power_of_two)
+        d_lhs, d_rhs = _compat.matmul_cotangents(primitive, q_g, blocked_lhs, blocked_rhs, (), blocked_params, _F32)
+        # Each is [the other operand's shards, its own split layout]: rescale
+        # per block, sum over the other operand's shards, merge.
+        d_lhs = rescaled(d_lhs, "lhs", s_g, s_rhs, {i: kr + l_block[d] for i, d in enumerate(lhs_order)}, lhs_aval)
+        d_rhs = rescaled(d_rhs, "rhs", s_g, s_lhs, {i: kl + r_block[d] for i, d in enumerate(rhs_order)}, rhs_aval)
+        return d_lhs.astype(lhs_aval.dtype), d_rhs.astype(rhs_aval.dtype)
+
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
+def _blocked_out_sharding(out_sharding, lb, l_free, r_free, lhs_order, rhs_order):
+    """The user's ``out_sharding`` of a ``dot_general``, for its blocked product (or None)."""
+    if out_sharding is None:
+        return None
+    spec = tuple(out_sharding.spec)
+    spec += (None,) * (len(lb) + len(l_free) + len(r_free) - len(spec))
+    batch, l_spec, r_spec = spec[: len(lb)], spec[len(lb) : len(lb) + len(l_free)], spec[len(lb) + len(l_free) :]
+    l_entries = dict(zip(l_free, l_spec))
+    r_entries = dict(zip(r_free, r_spec))
+    blocks = [l_entries[d] for d in lhs_order] + [r_entries[d] for d in rhs_order]
+    l_rest = [None if d in lhs_order else l_entries[d] for d in l_free]
+    r_rest = [None if d in rhs_order else r_entries[d] for d in r_free]
+    return jax.sharding.NamedSharding(out_sharding.mesh, P(*batch, *blocks, *l_rest, *r_rest))
+
+
+def _product_layout(lhs, rhs, dimension_numbers):
+    """The shape and spec of a ``dot_general``'s result from its operands' ``(shape, spec)``."""
+    (lhs_shape, lhs_spec), (rhs_shape, rhs_spec) = lhs, rhs
+    (lc, rc), (lb, rb) = dimension_numbers
+    l_free, r_free = _free_dims(len(lhs_shape), lc, lb), _free_dims(len(rhs_shape), rc, rb)
+    shape = [lhs_shape[d] for d in lb] + [lhs_shape[d] for d in l_free] + [rhs_shape[d] for d in r_free]
+    spec = [lhs_spec[d] for d in lb] + [lhs_spec[d] for d in l_free] + [rhs_spec[d] for d in r_free]
+    return tuple(shape), spec
 
 
 def _scaled_ragged_dot(params, lhs_dtype, rhs_dtype, out_dtype):
@@ -443,15 +655,21 @@ class Fp8MatmulRule:
         recipe, name = self.recipe, eqn.primitive.name
         dtypes = (dtype_of(lhs), dtype_of(rhs), compute_dtype)
         power_of_two = recipe.rounds_scales_to_powers_of_two
+        description = formats(name, recipe)
         if name == "ragged_dot_general":
             fn = _scaled_ragged_dot(bind_params, *dtypes)
         elif name == "dot_general" and recipe.scaling != "tensorwise":
             weight_gradient_hp = recipe.scaling == "rowwise_with_gw_hp"
             fn = _scaled_rowwise_dot(bind_params, *dtypes, power_of_two, weight_gradient_hp)
+        elif name == "dot_general" and any(blocks := sharded_free_dims(eqn, lhs, rhs)):
+            avals = (_compat.with_dtype(jax.typeof(lhs), dtypes[0]), _compat.with_dtype(jax.typeof(rhs), dtypes[1]))
+            fn = _scaled_sharded_dot(bind_params, *avals, *blocks, compute_dtype, power_of_two)
+            axes = sorted({name for side in blocks for _, entry in side.values() for name in _axis_names(entry)})
+            description += f", a scale per shard along {', '.join(map(str, axes))}"
         else:
             fn = _scaled_matmul(eqn.primitive, bind_params, *dtypes, power_of_two)
         operand_dtypes = (E4M3, E4M3, *(dtype_of(x) for x in rest))
-        return EquationRewrite(fn, operand_dtypes, formats(name, recipe))
+        return EquationRewrite(fn, operand_dtypes, description)
 
     def _keep_out(self, original_dtypes, eqn) -> str:
         """Why the matmul stays in compute precision, or ``""``."""
