@@ -19,6 +19,7 @@ __all__ += ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
 
 # The transform
 from ._amp import amp
+from .fp8._differentiable import Fp8HigherOrderError
 from .fp8._recipe import Fp8Recipe
 from .transform._rules import (
     default_amp_policy,
@@ -33,6 +34,7 @@ from .transform._rules import (
 from .transform._scopes import amp_stop
 
 __all__ += [
+    "Fp8HigherOrderError",
     "Fp8Recipe",
     "amp",
     "amp_stop",

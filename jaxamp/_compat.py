@@ -717,14 +717,15 @@ def matmul_cotangents(
     operands; ``params["preferred_element_type"]`` is the gradient matmuls'
     accumulation dtype. Each cotangent is returned in `dtype`, or in its
     operand's dtype when `dtype` is None (the rule converts at the end).
-    With ``only="lhs"`` (``"rhs"``) the other cotangent is not computed: None.
+    With ``only="lhs"`` (``"rhs"``) the other cotangent is not computed: None,
+    and the side computed may be given as its abstract value alone.
     """
     from jax._src.interpreters import ad as _ad
 
     rule = _ad.primitive_transposes[primitive]
 
     def undefined(x: Any) -> Any:
-        aval = jax.typeof(x)
+        aval = x if isinstance(x, _core.AbstractValue) else jax.typeof(x)
         return _ad.UndefinedPrimal(aval if dtype is None else with_dtype(aval, dtype))
 
     d_lhs = rule(g, undefined(lhs), rhs, *rest, **params)[0] if only != "rhs" else None
@@ -762,6 +763,57 @@ def explicit_shards(x: Any) -> dict[int, tuple[int, Any]]:
         if shards > 1 and aval.shape[dim] % shards == 0:
             found[dim] = (shards, entry)
     return found
+
+
+# --- linear_call under vmap (jaxamp/fp8/_differentiable.py) ---
+# `jax.custom_derivatives.linear_call` (a linear function with a custom
+# transpose) has jvp and transpose rules but, on JAX 0.10-0.12, no batching
+# rule, so `jax.jacfwd`, `jax.hessian` and `vmap` of a gradient could not pass
+# through one. The rule below batches the function and its transpose alike;
+# jaxamp registers it when JAX has none.
+
+
+def _linear_call_batcher(axis_data, args, dims, *, callee, transpose_thunk, num_callee_consts, num_res):
+    from jax._src.custom_derivatives import linear_call_p
+    from jax._src.interpreters import batching
+
+    params = dict(callee=callee, transpose_thunk=transpose_thunk, num_callee_consts=num_callee_consts, num_res=num_res)
+    if all(d is None for d in dims):
+        outs = linear_call_p.bind(*args, **params)
+        return outs, [None] * len(outs)
+    fixed = num_callee_consts + num_res
+    moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+    # Every linear input batched: the transpose gives one cotangent per input.
+    moved[fixed:] = [
+        x if d is not None else jax.lax.broadcast(x, (axis_data.size,)) for x, d in zip(moved[fixed:], dims[fixed:])
+    ]
+    fixed_batched = [d is not None for d in dims[:fixed]]
+    batched_callee, _ = batching.batch_jaxpr(callee, axis_data, fixed_batched + [True] * (len(args) - fixed), True)
+
+    def batched_transpose():
+        transpose, t_consts = transpose_thunk()
+        cotangents = len(transpose.in_avals) - len(t_consts) - num_res
+        in_batched = [False] * len(t_consts) + fixed_batched[num_callee_consts:] + [True] * cotangents
+        return batching.batch_jaxpr(transpose, axis_data, in_batched, True)[0], t_consts
+
+    outs = linear_call_p.bind(*moved, **dict(params, callee=batched_callee, transpose_thunk=batched_transpose))
+    return outs, [0] * len(outs)
+
+
+def broadcast_like(scalar: Any, like: Any) -> jax.Array:
+    """`scalar` broadcast to `like`'s shape and sharding (varying axes come from `scalar`)."""
+    sharding = jax.typeof(like).sharding
+    mesh_axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
+    return jax.lax.broadcast_in_dim(scalar, jax.typeof(like).shape, (), out_sharding=sharding if mesh_axes else None)
+
+
+def register_linear_call_batching() -> None:
+    """Give `linear_call` a batching rule, unless JAX has one."""
+    from jax._src.custom_derivatives import linear_call_p
+    from jax._src.interpreters import batching
+
+    if linear_call_p not in batching.fancy_primitive_batchers:
+        batching.fancy_primitive_batchers[linear_call_p] = _linear_call_batcher
 
 
 # --- devices deciding together (jaxamp/scaling/_finite.py) ---

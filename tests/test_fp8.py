@@ -147,8 +147,9 @@ def test_every_matmul_in_float8_forward_and_backward(make):
     assert forward and all(dts == (E4M3, E4M3) for _, dts in forward), forward
     backward = matmul_operand_dtypes(eqx.filter_make_jaxpr(eqx.filter_grad(params_only))(params)[0])
     assert all(d in FLOAT8 for _, dts in backward for d in dts), backward
-    # Each forward matmul is recomputed or reused and has two gradient matmuls.
-    assert len(backward) >= 3 * len(forward)
+    # Each forward matmul is recomputed or reused and has two gradient
+    # matmuls, but for the gradient of the data, which nothing asks for.
+    assert len(backward) >= 3 * len(forward) - 1
     # Dot gradients take the cotangent in e5m2; convolution gradients need one
     # dtype on both sides and run in e4m3 (see jaxamp.fp8._matmul._COTANGENT_FORMAT).
     for name, dts in backward:

@@ -12,11 +12,16 @@ torchao's tensorwise dynamic scaling:
   quantised as ``x / scale`` saturated to e4m3's ±448 (inf and NaN entries
   pass through as NaN, see `quantize`), and the matmul of the two float8_e4m3fn operands
   accumulates in float32; the result, times both scales, goes on in bfloat16;
-* backward (a `jax.custom_vjp`, so that JAX's transpose cannot choose the
-  formats): the incoming cotangent is quantised the same way to float8_e5m2
+* backward: the incoming cotangent is quantised the same way to float8_e5m2
   (wider range, ±57344) and meets the saved e4m3 operands in the gradient
   matmuls, again accumulating in float32. Convolutions need one dtype on both
-  sides, so their gradient convolutions run e4m3 x e4m3 (see `_COTANGENT_FORMAT`).
+  sides, so their gradient convolutions run e4m3 x e4m3 (see
+  `jaxamp.fp8._schemes.COTANGENT_FORMAT`). The scaled matmul's derivative is
+  the straight-through one, in every mode of differentiation (forward mode,
+  higher order; see `jaxamp.fp8._differentiable`).
+
+The scaling schemes (tensorwise, rowwise, per group, per shard) are in
+`jaxamp.fp8._schemes`, the quantisers in `jaxamp.fp8._quantize`.
 
 Matmuls it does not accept run in bfloat16, with the reason recorded for
 `jaxamp.explain`. By default, as Transformer Engine, torchao and torchtitan
@@ -29,23 +34,24 @@ float8 GEMM cannot take (not multiples of 16); always non-float operands. The
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from .._casting import dtype_of
 from .._dtypes import dtype_short_name, is_castable
 from .._jaxpr import MATMUL_NAMES, equation_flops, matmuls_in
-from ..transform._interpreter import HANDLERS, EquationRewrite
+from ..transform._interpreter import HANDLERS, EquationRewrite, warn_once
+from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, use_compute_precision
+from ._differentiable import differentiable_matmul, tangent_product
+from ._quantize import E4M3, E5M2, quantize
 from ._recipe import Fp8Recipe
+from ._schemes import COTANGENT_FORMAT, PerGroup, PerShard, Rowwise, Tensorwise, shard_axes, sharded_free_dims
 
 __all__ = [
     "Fp8MatmulRule",
@@ -56,474 +62,6 @@ __all__ = [
     "quantize",
     "with_fp8_matmuls",
 ]
-
-E4M3 = np.dtype(jnp.float8_e4m3fn)
-E5M2 = np.dtype(jnp.float8_e5m2)
-_F32 = np.dtype(jnp.float32)
-
-# The cotangent's format in the gradient matmuls, by primitive (e5m2 unless
-# listed); the saved operands are e4m3. A convolution takes one dtype for both
-# operands, and e4m3 on both sides halved the gradient error of e5m2 on both
-# sides on the digits CNN's convolutions (figures in README "## float8"): with
-# a scale taken from the live cotangent, e5m2's extra range is not needed for
-# its largest values, and its 2 mantissa bits cost more than e4m3's 3.
-_COTANGENT_FORMAT = {"conv_general_dilated": E4M3}
-
-# --- quantisation and the scaled matmul ----------------------------------------
-
-
-def quantize(x: Any, fmt: Any, power_of_two: bool = False) -> tuple[Any, Any]:
-    """Quantise `x` to the float8 format `fmt` with a per-tensor current scale.
-
-    Args:
-        x: a float32, bfloat16 or float16 array.
-        fmt: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
-
-    Returns:
-        ``(q, scale)``: `q` in `fmt` with ``q * scale ≈ x``, and the float32
-        scalar ``scale = amax / max(fmt)``, amax the largest finite ``|x|``. A
-        tensor with no nonzero finite entry (or whose scale underflows
-        float32) gets scale 1. Non-finite entries are not clamped: they stay
-        inf or NaN in `q` (e4m3, which has no inf, holds NaN), so only the
-        rows and columns of the matmul's result they touch go non-finite, as
-        in bfloat16, and a loss scaler or `jaxamp.skip_nonfinite_updates`
-        still sees the step as bad; saturating an inf to the format's maximum
-        would hide it, and a scale taken from an infinite amax would turn every
-        finite entry into 0 and the whole result into NaN.
-    """
-    return _quantize_along(x, fmt, range(np.ndim(x)), power_of_two)
-
-
-def _quantize_along(x: Any, fmt: Any, contracted: Sequence[int], power_of_two: bool = False) -> tuple[Any, Any]:
-    """`quantize` with one scale per index of the dimensions not in `contracted`.
-
-    Returns ``(q, scale)``, `scale` holding the kept dimensions in order.
-    """
-    x32 = lax.convert_element_type(x, _F32)
-    contracted = tuple(sorted(contracted))
-    scale = _scale(lax.reduce_max(_finite_magnitude(x32), contracted), fmt, power_of_two)
-    return _apply_scale(x32, lax.expand_dims(scale, contracted), fmt), scale
-
-
-# lax rather than jnp in these helpers: each jnp helper adds a nested jit to every matmul.
-
-
-def _finite_magnitude(x32: Any) -> Any:
-    """``|x|`` with non-finite entries as 0: what an amax is taken over."""
-    return lax.select(lax.is_finite(x32), lax.abs(x32), lax.full_like(x32, 0.0))
-
-
-def _scale(amax: Any, fmt: Any, power_of_two: bool = False) -> Any:
-    """``amax / max(fmt)``, 1 where that is not positive (an all-zero or empty tensor).
-
-    With `power_of_two`, rounded up to a power of two (so ``amax / scale``
-    still fits the format and scaling changes no mantissa bit).
-    """
-    scale = amax / np.float32(jnp.finfo(fmt).max)
-    scale = lax.select(scale > 0, scale, lax.full_like(scale, 1.0))
-    if power_of_two:
-        # Bits, not frexp: a positive float32 with any mantissa bit set goes
-        # to the next exponent (jnp.frexp also loses an Explicit sharding).
-        bits = lax.bitcast_convert_type(scale, np.int32)
-        exponent = lax.shift_right_logical(bits, np.int32(23))
-        inexact = lax.convert_element_type(lax.bitwise_and(bits, np.int32(0x7FFFFF)) != 0, np.int32)
-        scale = lax.bitcast_convert_type(lax.shift_left(exponent + inexact, np.int32(23)), _F32)
-    return scale
-
-
-def _apply_scale(x32: Any, scale: Any, fmt: Any) -> Any:
-    """``x / scale`` saturated to `fmt`, non-finite entries passed through (see `quantize`)."""
-    fmax = np.float32(jnp.finfo(fmt).max)
-    q = lax.select(lax.is_finite(x32), lax.clamp(-fmax, x32 / scale, fmax), x32)
-    return lax.convert_element_type(q, fmt)
-
-
-def _quantize_rows_by_group(x: Any, fmt: Any, group_ids: Any, num_groups: int) -> tuple[Any, Any]:
-    """`quantize` with one scale per group of rows (rows of group ``group_ids[i]``).
-
-    Returns ``(q, scales)``, `scales` of shape ``(num_groups,)``.
-    """
-    x32 = lax.convert_element_type(x, _F32)
-    row_amax = lax.reduce_max(_finite_magnitude(x32), tuple(range(1, x32.ndim)))
-    scales = _scale(jax.ops.segment_max(row_amax, group_ids, num_segments=num_groups), fmt)
-    row_scales = scales[group_ids].reshape((-1,) + (1,) * (x32.ndim - 1))
-    return _apply_scale(x32, row_scales, fmt), scales
-
-
-def _scaled_matmul(primitive, params, lhs_dtype, rhs_dtype, out_dtype, power_of_two=False):
-    """``f(lhs, rhs, *rest)``: the matmul in float8 with current scaling (see the module doc).
-
-    Args:
-        primitive, params: the matmul equation's primitive and bind parameters.
-        lhs_dtype, rhs_dtype: the operands' dtypes as amp holds them, which
-            their cotangents must have.
-        out_dtype: the dtype the result is handed on in (amp's compute dtype).
-        power_of_two: round the scales up to powers of two.
-    """
-    params = dict(params, preferred_element_type=_F32)
-    cotangent_format = _COTANGENT_FORMAT.get(primitive.name, E5M2)
-
-    def forward(lhs, rhs, *rest):
-        q_lhs, s_lhs = quantize(lhs, E4M3, power_of_two)
-        q_rhs, s_rhs = quantize(rhs, E4M3, power_of_two)
-        out = primitive.bind(q_lhs, q_rhs, *rest, **params)
-        return (out * (s_lhs * s_rhs)).astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs, rest)
-
-    @jax.custom_vjp
-    def matmul(lhs, rhs, *rest):
-        return forward(lhs, rhs, *rest)[0]
-
-    def backward(residuals, g):
-        q_lhs, s_lhs, q_rhs, s_rhs, rest = residuals
-        q_g, s_g = quantize(g, cotangent_format, power_of_two)
-        # JAX's own transposes, on the float8 operands as they are typed here
-        # (sharding, varying axes): the gradient matmuls' dimension numbers,
-        # paddings, feature groups and output shardings stay JAX's.
-        d_lhs, d_rhs = _compat.matmul_cotangents(primitive, q_g, q_lhs, q_rhs, rest, params, _F32)
-        # Integer operands (a ragged dot's group sizes) get no cotangent.
-        return (
-            (d_lhs * (s_g * s_rhs)).astype(lhs_dtype),
-            (d_rhs * (s_g * s_lhs)).astype(rhs_dtype),
-            *(None for _ in rest),
-        )
-
-    matmul.defvjp(forward, backward)
-    return matmul
-
-
-def _place(scale: Any, kept: Sequence[int], position: dict, shape: Sequence[int]) -> Any:
-    """`scale` (over dims `kept` of its operand, in order) broadcast into a result of `shape`.
-
-    `position` maps each kept dim to the result's dimension it becomes.
-    """
-    order = sorted(range(len(kept)), key=lambda k: position[kept[k]])
-    return lax.broadcast_in_dim(
-        lax.transpose(scale, order), tuple(shape), tuple(position[kept[k]] for k in order)
-    )
-
-
-def _scaled_rowwise_dot(params, lhs_dtype, rhs_dtype, out_dtype, power_of_two, weight_gradient_hp):
-    """``f(lhs, rhs)``: a ``dot_general`` in float8 with a scale per row along each contraction.
-
-    torchao's rowwise recipe, for any dimension numbers. Forward: each
-    operand gets one scale per index of its dimensions other than the
-    contracting ones (a left operand's rows, a right operand's columns).
-    Backward: the operands, saved in the compute dtype, are quantised again
-    along the gradient matmuls' own contractions (``d_lhs`` contracts the
-    right operand's free dimensions, ``d_rhs`` the left operand's), as is the
-    cotangent; with `weight_gradient_hp` the right operand's gradient runs in
-    the compute dtype instead.
-    """
-    primitive = _compat.primitives_by_name()["dot_general"]
-    params = dict(params, preferred_element_type=_F32)
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-
-    def layout(lhs_ndim, rhs_ndim):
-        lf = [d for d in range(lhs_ndim) if d not in (*lc, *lb)]
-        rf = [d for d in range(rhs_ndim) if d not in (*rc, *rb)]
-        batch, out_lf = range(len(lb)), range(len(lb), len(lb) + len(lf))
-        out_rf = range(len(lb) + len(lf), len(lb) + len(lf) + len(rf))
-        return lf, rf, batch, out_lf, out_rf
-
-    def forward(lhs, rhs):
-        lf, rf, batch, out_lf, out_rf = layout(lhs.ndim, rhs.ndim)
-        q_lhs, s_lhs = _quantize_along(lhs, E4M3, lc, power_of_two)
-        q_rhs, s_rhs = _quantize_along(rhs, E4M3, rc, power_of_two)
-        out = primitive.bind(q_lhs, q_rhs, **params)
-        to_out_lhs = {**dict(zip(lb, batch)), **dict(zip(lf, out_lf))}
-        to_out_rhs = {**dict(zip(rb, batch)), **dict(zip(rf, out_rf))}
-        out = out * _place(s_lhs, sorted(to_out_lhs), to_out_lhs, out.shape)
-        out = out * _place(s_rhs, sorted(to_out_rhs), to_out_rhs, out.shape)
-        return out.astype(out_dtype), (lhs.astype(out_dtype), rhs.astype(out_dtype))
-
-    @jax.custom_vjp
-    def matmul(lhs, rhs):
-        return forward(lhs, rhs)[0]
-
-    def gradient(side, g, operand, other, g_contracted, g_to, operand_contracted, operand_to):
-        # One gradient matmul: the cotangent and `operand` (the other side's
-        # operand) quantised along this matmul's contraction, the result
-        # rescaled by both scales placed in `other`'s layout.
-        q_g, s_g = _quantize_along(g, E5M2, g_contracted, power_of_two)
-        q_operand, s_operand = _quantize_along(operand, E4M3, operand_contracted, power_of_two)
-        pair = (other, q_operand) if side == "lhs" else (q_operand, other)
-        found = _compat.matmul_cotangents(primitive, q_g, *pair, (), params, _F32, only=side)
-        d = found[0] if side == "lhs" else found[1]
-        d = d * _place(s_g, sorted(g_to), g_to, other.shape)
-        return d * _place(s_operand, sorted(operand_to), operand_to, other.shape)
-
-    def backward(residuals, g):
-        lhs, rhs = residuals
-        lf, rf, batch, out_lf, out_rf = layout(lhs.ndim, rhs.ndim)
-        # d_lhs contracts the cotangent's and the right operand's free dims.
-        d_lhs = gradient(
-            "lhs", g, rhs, lhs,
-            tuple(out_rf), {**dict(zip(batch, lb)), **dict(zip(out_lf, lf))},
-            rf, {**dict(zip(rb, lb)), **dict(zip(rc, lc))},
-        )  # fmt: skip
-        if weight_gradient_hp:
-            high = dict(params, preferred_element_type=np.dtype(out_dtype))
-            d_rhs = _compat.matmul_cotangents(primitive, g.astype(out_dtype), lhs, rhs, (), high, only="rhs")[1]
-        else:  # d_rhs contracts the cotangent's and the left operand's free dims.
-            d_rhs = gradient(
-                "rhs", g, lhs, rhs,
-                tuple(out_lf), {**dict(zip(batch, rb)), **dict(zip(out_rf, rf))},
-                lf, {**dict(zip(lb, rb)), **dict(zip(lc, rc))},
-            )  # fmt: skip
-        return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype)
-
-    matmul.defvjp(forward, backward)
-    return matmul
-
-
-def _split_blocks(aval, blocks):
-    """`aval`'s layout with its `blocks` dims split into ``(shards, size // shards)``.
-
-    Returns ``(shape, spec, at, block_at)``: the split shape and spec (the
-    shard dim carries the mesh axes, the remainder none), and, per original
-    dim, where it (its remainder) and its shard dim land.
-    """
-    spec = _spec_of(aval)
-    new_shape, new_spec, at, block_at = [], [], {}, {}
-    for dim, size in enumerate(aval.shape):
-        if dim in blocks:
-            shards, entry = blocks[dim]
-            block_at[dim] = len(new_shape)
-            new_shape += [shards, size // shards]
-            new_spec += [entry, None]
-        else:
-            new_shape.append(size)
-            new_spec.append(spec[dim])
-        at[dim] = len(new_shape) - 1
-    return tuple(new_shape), new_spec, at, block_at
-
-
-def _spec_of(aval):
-    spec = tuple(aval.sharding.spec)
-    return spec + (None,) * (aval.ndim - len(spec))
-
-
-def _free_dims(ndim, contracting, batch):
-    return [d for d in range(ndim) if d not in (*contracting, *batch)]
-
-
-def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
-    """The dims of a ``dot_general``'s operands that `_scaled_sharded_dot` scales per shard.
-
-    Each operand's dimensions split over Explicit mesh axes that the matmul
-    neither contracts nor batches: ``({dim: (shards, spec entry)}, {...})``.
-    Empty off an Explicit mesh.
-    """
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-
-    def blocks(x, contracting, batch, other):
-        # The other operand is broadcast along these dims, which it can only
-        # be where it is not split over the same mesh axes itself.
-        taken = {name for entry in _spec_of(jax.typeof(other)) for name in _axis_names(entry)}
-        shards = _compat.explicit_shards(x)
-        return {
-            d: shards[d]
-            for d in _free_dims(np.ndim(x), contracting, batch)
-            if d in shards and not taken.intersection(_axis_names(shards[d][1]))
-        }
-
-    return blocks(lhs, lc, lb, rhs), blocks(rhs, rc, rb, lhs)
-
-
-def _axis_names(entry: Any) -> tuple:
-    if entry is None:
-        return ()
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
-def _scaled_sharded_dot(params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False):
-    """``f(lhs, rhs)``: a tensorwise ``dot_general`` in float8 with a scale per shard.
-
-    On an Explicit mesh, an operand dimension that is split over mesh axes and
-    not contracted (an activation's batch or sequence dimension, a
-    column-parallel weight's output features) gets one scale per shard, so no
-    amax crosses devices: `lhs_blocks` and `rhs_blocks` (`sharded_free_dims`)
-    name those dimensions. Each is split into ``(shards, rest)`` and the shard
-    dims become batch dimensions of the float8 ``dot_general``, the other
-    operand broadcast along them (each device holds its shard's view), so every
-    product, forward and backward, meets one scale per operand and block. A
-    gradient that sums over blocks (data parallelism's weight gradient, tensor
-    parallelism's input gradient) sums the rescaled per-block products: the
-    all-reduce the bfloat16 step makes too. A dimension split along a
-    contraction (an FSDP or row-parallel weight) keeps one scale across its
-    shards, which must agree.
-    """
-    primitive = _compat.primitives_by_name()["dot_general"]
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lhs_order, rhs_order = sorted(lhs_blocks), sorted(rhs_blocks)
-    kl, kr, nb = len(lhs_order), len(rhs_order), len(lb)
-    l_split, r_split = _split_blocks(lhs_aval, lhs_blocks), _split_blocks(rhs_aval, rhs_blocks)
-    l_free, r_free = _free_dims(lhs_aval.ndim, lc, lb), _free_dims(rhs_aval.ndim, rc, rb)
-    (_, _, l_at, l_block), (_, _, r_at, r_block) = l_split, r_split
-    # Each operand split, the other's shard dims in front of it.
-    l_front = [rhs_blocks[d] for d in rhs_order]
-    r_front = [lhs_blocks[d] for d in lhs_order]
-    blocked_params = dict(
-        params,
-        out_sharding=_blocked_out_sharding(params.get("out_sharding"), lb, l_free, r_free, lhs_order, rhs_order),
-        dimension_numbers=(
-            (tuple(kr + l_at[d] for d in lc), tuple(kl + r_at[d] for d in rc)),
-            (
-                tuple(kr + l_at[d] for d in lb) + tuple(kr + l_block[d] for d in lhs_order) + tuple(range(kr)),
-                tuple(kl + r_at[d] for d in rb) + tuple(range(kl)) + tuple(kl + r_block[d] for d in rhs_order),
-            ),
-        ),
-        preferred_element_type=_F32,
-    )
-    # The blocked product is [batch, lhs shards, rhs shards, lhs free, rhs
-    # free]; `order` puts each shard dim before its remainder, so that a
-    # reshape merges them into the result's dims.
-    order, position = list(range(nb)), nb + kl + kr
-    for free, blocks, base in ((l_free, lhs_order, nb), (r_free, rhs_order, nb + kl)):
-        for d in free:
-            if d in blocks:
-                order.append(base + blocks.index(d))
-            order.append(position)
-            position += 1
-    out_shape, out_spec = _product_layout(
-        (lhs_aval.shape, _spec_of(lhs_aval)), (rhs_aval.shape, _spec_of(rhs_aval)), params["dimension_numbers"]
-    )
-    # The cotangent's way back: the blocked product's layout, in `order`.
-    blocked_shape, blocked_spec = _product_layout(
-        ((*(n for n, _ in l_front), *l_split[0]), [*(e for _, e in l_front), *l_split[1]]),
-        ((*(n for n, _ in r_front), *r_split[0]), [*(e for _, e in r_front), *r_split[1]]),
-        blocked_params["dimension_numbers"],
-    )
-    g_shape, g_spec = tuple(blocked_shape[i] for i in order), P(*(blocked_spec[i] for i in order))
-
-    def split(x, layout):
-        shape, spec, _, _ = layout
-        return lax.reshape(lax.convert_element_type(x, _F32), shape, out_sharding=P(*spec))
-
-    def quantize_blocks(x, layout, fmt):
-        kept = sorted(layout[3].values())
-        return _quantize_along(x, fmt, [d for d in range(x.ndim) if d not in kept], power_of_two)
-
-    def with_front(x, layout, front):
-        shape, spec, _, _ = layout
-        k = len(front)
-        return lax.broadcast_in_dim(
-            x, (*(n for n, _ in front), *shape), tuple(range(k, k + len(shape))),
-            out_sharding=P(*(entry for _, entry in front), *spec),
-        )
-
-    def merge(x, aval):
-        return lax.reshape(x, aval.shape, out_sharding=P(*_spec_of(aval)))
-
-    def forward(lhs, rhs):
-        q_lhs, s_lhs = quantize_blocks(split(lhs, l_split), l_split, E4M3)
-        q_rhs, s_rhs = quantize_blocks(split(rhs, r_split), r_split, E4M3)
-        out = primitive.bind(with_front(q_lhs, l_split, l_front), with_front(q_rhs, r_split, r_front), **blocked_params)
-        out = out * _place(s_lhs, range(kl), {i: nb + i for i in range(kl)}, out.shape)
-        out = out * _place(s_rhs, range(kr), {j: nb + kl + j for j in range(kr)}, out.shape)
-        out = lax.reshape(lax.transpose(out, order), out_shape, out_sharding=P(*out_spec))
-        return out.astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs)
-
-    @jax.custom_vjp
-    def matmul(lhs, rhs):
-        return forward(lhs, rhs)[0]
-
-    def rescaled(d, side, s_g, s_other, own_blocks, aval):
-        # `s_g` is over [lhs shards, rhs shards]; `own_blocks` maps this
-        # operand's shard index (among its own) to its dim in `d`.
-        lhs_side, k_front = side == "lhs", (kr if side == "lhs" else kl)
-        g_position = {
-            **{(i if lhs_side else kl + i): dim for i, dim in own_blocks.items()},
-            **{((kl + j) if lhs_side else j): j for j in range(k_front)},
-        }
-        d = d * _place(s_g, range(kl + kr), g_position, d.shape)
-        d = d * _place(s_other, range(k_front), {j: j for j in range(k_front)}, d.shape)
-        return merge(lax.reduce_sum(d, tuple(range(k_front))) if k_front else d, aval)
-
-    def backward(residuals, g):
-        q_lhs, s_lhs, q_rhs, s_rhs = residuals
-        blocked_lhs, blocked_rhs = with_front(q_lhs, l_split, l_front), with_front(q_rhs, r_split, r_front)
-        # The cotangent in the blocked product's layout, a scale per block.
-        g = lax.reshape(lax.convert_element_type(g, _F32), g_shape, out_sharding=g_spec)
-        g = lax.transpose(g, tuple(int(i) for i in np.argsort(order)))
-        q_g, s_g = _quantize_along(g, E5M2, [d for d in range(g.ndim) if not nb <= d < nb + kl + kr], power_of_two)
-        d_lhs, d_rhs = _compat.matmul_cotangents(primitive, q_g, blocked_lhs, blocked_rhs, (), blocked_params, _F32)
-        # Each is [the other operand's shards, its own split layout]: rescale
-        # per block, sum over the other operand's shards, merge.
-        d_lhs = rescaled(d_lhs, "lhs", s_g, s_rhs, {i: kr + l_block[d] for i, d in enumerate(lhs_order)}, lhs_aval)
-        d_rhs = rescaled(d_rhs, "rhs", s_g, s_lhs, {i: kl + r_block[d] for i, d in enumerate(rhs_order)}, rhs_aval)
-        return d_lhs.astype(lhs_aval.dtype), d_rhs.astype(rhs_aval.dtype)
-
-    matmul.defvjp(forward, backward)
-    return matmul
-
-
-def _blocked_out_sharding(out_sharding, lb, l_free, r_free, lhs_order, rhs_order):
-    """The user's ``out_sharding`` of a ``dot_general``, for its blocked product (or None)."""
-    if out_sharding is None:
-        return None
-    spec = tuple(out_sharding.spec)
-    spec += (None,) * (len(lb) + len(l_free) + len(r_free) - len(spec))
-    batch, l_spec, r_spec = spec[: len(lb)], spec[len(lb) : len(lb) + len(l_free)], spec[len(lb) + len(l_free) :]
-    l_entries = dict(zip(l_free, l_spec))
-    r_entries = dict(zip(r_free, r_spec))
-    blocks = [l_entries[d] for d in lhs_order] + [r_entries[d] for d in rhs_order]
-    l_rest = [None if d in lhs_order else l_entries[d] for d in l_free]
-    r_rest = [None if d in rhs_order else r_entries[d] for d in r_free]
-    return jax.sharding.NamedSharding(out_sharding.mesh, P(*batch, *blocks, *l_rest, *r_rest))
-
-
-def _product_layout(lhs, rhs, dimension_numbers):
-    """The shape and spec of a ``dot_general``'s result from its operands' ``(shape, spec)``."""
-    (lhs_shape, lhs_spec), (rhs_shape, rhs_spec) = lhs, rhs
-    (lc, rc), (lb, rb) = dimension_numbers
-    l_free, r_free = _free_dims(len(lhs_shape), lc, lb), _free_dims(len(rhs_shape), rc, rb)
-    shape = [lhs_shape[d] for d in lb] + [lhs_shape[d] for d in l_free] + [rhs_shape[d] for d in r_free]
-    spec = [lhs_spec[d] for d in lb] + [lhs_spec[d] for d in l_free] + [rhs_spec[d] for d in r_free]
-    return tuple(shape), spec
-
-
-def _scaled_ragged_dot(params, lhs_dtype, rhs_dtype, out_dtype):
-    """``f(lhs, rhs, group_sizes)``: `lax.ragged_dot` in float8 with a scale per group.
-
-    For the layout of `lax.ragged_dot` (`is_per_group_layout`): ``lhs[m, k]``
-    whose rows belong to the groups in order (``group_sizes``), ``rhs[g, k,
-    n]``. Each group's rows of `lhs`, its slice of `rhs` and its rows of the
-    cotangent get their own scale, so an expert with small values keeps its
-    precision. Within a group both operands' scales are constant, so each
-    product (forward and both gradients) is rescaled per group afterwards.
-    """
-    params = dict(params, preferred_element_type=_F32)
-    primitive = _compat.primitives_by_name()["ragged_dot_general"]
-
-    def group_ids(group_sizes, rows):
-        groups = jnp.arange(group_sizes.shape[0], dtype=group_sizes.dtype)
-        return jnp.repeat(groups, group_sizes, total_repeat_length=rows)
-
-    def forward(lhs, rhs, group_sizes):
-        num_groups, rows = rhs.shape[0], lhs.shape[0]
-        ids = group_ids(group_sizes, rows)
-        q_lhs, s_lhs = _quantize_rows_by_group(lhs, E4M3, ids, num_groups)
-        q_rhs, s_rhs = _quantize_along(rhs, E4M3, range(1, rhs.ndim))  # a scale per group
-        out = primitive.bind(q_lhs, q_rhs, group_sizes, **params)
-        out = out * (s_lhs * s_rhs)[ids][:, None]
-        return out.astype(out_dtype), (q_lhs, s_lhs, q_rhs, s_rhs, group_sizes, ids)
-
-    @jax.custom_vjp
-    def matmul(lhs, rhs, group_sizes):
-        return forward(lhs, rhs, group_sizes)[0]
-
-    def backward(residuals, g):
-        q_lhs, s_lhs, q_rhs, s_rhs, group_sizes, ids = residuals
-        q_g, s_g = _quantize_rows_by_group(g, E5M2, ids, q_rhs.shape[0])
-        d_lhs, d_rhs = _compat.matmul_cotangents(primitive, q_g, q_lhs, q_rhs, [group_sizes], params, _F32)
-        d_lhs = d_lhs * (s_g * s_rhs)[ids][:, None]
-        d_rhs = d_rhs * (s_g * s_lhs)[:, None, None]
-        return d_lhs.astype(lhs_dtype), d_rhs.astype(rhs_dtype), None
-
-    matmul.defvjp(forward, backward)
-    return matmul
-
 
 def is_per_group_layout(eqn: Any) -> bool:
     """Whether a ``ragged_dot_general`` is laid out as `lax.ragged_dot` makes it.
@@ -550,7 +88,7 @@ def _normalised(dimension_numbers: Any) -> tuple:
 def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
     """How fp8 mode runs a matmul of `primitive_name` under `recipe`, for diagnostics."""
     recipe = Fp8Recipe() if recipe is None else recipe
-    cotangent = dtype_short_name(_COTANGENT_FORMAT.get(primitive_name, E5M2))
+    cotangent = dtype_short_name(COTANGENT_FORMAT.get(primitive_name, E5M2))
     backward = f"backward {cotangent} x e4m3 -> f32"
     if primitive_name == "ragged_dot_general":
         scaling = "current, per group"
@@ -653,21 +191,27 @@ class Fp8MatmulRule:
             return EquationRewrite(None, (), f"kept {dtype_short_name(compute_dtype)}: {reason}")
         lhs, rhs, *rest = invars
         recipe, name = self.recipe, eqn.primitive.name
-        dtypes = (dtype_of(lhs), dtype_of(rhs), compute_dtype)
         power_of_two = recipe.rounds_scales_to_powers_of_two
         description = formats(name, recipe)
         if name == "ragged_dot_general":
-            fn = _scaled_ragged_dot(bind_params, *dtypes)
+            scheme = PerGroup(bind_params, compute_dtype)
         elif name == "dot_general" and recipe.scaling != "tensorwise":
             weight_gradient_hp = recipe.scaling == "rowwise_with_gw_hp"
-            fn = _scaled_rowwise_dot(bind_params, *dtypes, power_of_two, weight_gradient_hp)
+            scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp)
         elif name == "dot_general" and any(blocks := sharded_free_dims(eqn, lhs, rhs)):
-            avals = (_compat.with_dtype(jax.typeof(lhs), dtypes[0]), _compat.with_dtype(jax.typeof(rhs), dtypes[1]))
-            fn = _scaled_sharded_dot(bind_params, *avals, *blocks, compute_dtype, power_of_two)
-            axes = sorted({name for side in blocks for _, entry in side.values() for name in _axis_names(entry)})
-            description += f", a scale per shard along {', '.join(map(str, axes))}"
+            scheme = PerShard(bind_params, jax.typeof(lhs), jax.typeof(rhs), *blocks, compute_dtype, power_of_two)
+            description += f", a scale per shard along {', '.join(shard_axes(blocks))}"
         else:
-            fn = _scaled_matmul(eqn.primitive, bind_params, *dtypes, power_of_two)
+            scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two)
+        linear = linear_operands(eqn)
+        if linear is not None and any(linear[:2]):
+            # In a custom_jvp rule, a tangent times a primal: linear in the
+            # tangent, so that JAX can transpose it.
+            side = "lhs" if linear[0] else "rhs"
+            fn = functools.partial(tangent_product, scheme, side)
+            description += f"; the tangent product of a custom_jvp rule ({side} the tangent)"
+        else:
+            fn = differentiable_matmul(scheme)
         operand_dtypes = (E4M3, E4M3, *(dtype_of(x) for x in rest))
         return EquationRewrite(fn, operand_dtypes, description)
 
@@ -677,6 +221,18 @@ class Fp8MatmulRule:
         if not all(is_castable(d) for d in operands):
             names = " x ".join(dtype_short_name(d) for d in operands)
             return f"{names} operands (float8 takes float32, bfloat16 or float16)"
+        linear = linear_operands(eqn)
+        if linear == UNKNOWN:
+            reason = "in a jit, scan or cond nested in a custom_jvp rule, where amp cannot tell tangents from primals"
+            warn_once(
+                ("fp8_nested_rule", str(eqn.source_info.traceback)[-200:] if eqn.source_info else ""),
+                f"jaxamp fp8 mode: a {eqn.primitive.name} runs in bfloat16: {reason}. "
+                "Call the body directly in the rule to let it run in float8.",
+                UserWarning,
+            )
+            return reason
+        if linear is not None and all(linear[:2]):
+            return "in a custom_jvp rule, both operands tangents"
         if eqn is self.last_matmul:
             return "the program's last matmul (keep_last_matmul_bf16)"
         name = eqn.primitive.name

@@ -10,9 +10,9 @@ import numpy as np
 __all__ = ["FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe"]
 
 FP8_NAMES = ("fp8", "float8")
+"""The `compute_dtype` names of fp8 mode (case and surrounding spaces ignored)."""
 SCALINGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 """`Fp8Recipe.scaling` values (torchao's names)."""
-"""The `compute_dtype` names of fp8 mode (case and surrounding spaces ignored)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .. import _compat
 from .._casting import cast_value, dtype_of
 from .._dtypes import is_castable
 from ._interpreter import AmpContext, Handler, interpret, register
+from ._linearity import tangents_of
 
 __all__: list[str] = []  # handlers register themselves; nothing to import
 
@@ -346,7 +347,8 @@ def _custom_jvp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         zeros = [isinstance(t, _compat.SymbolicZero) for t in tangents]
         jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
         nonzero = [t for t in tangents if not isinstance(t, _compat.SymbolicZero)]
-        out = interpret(jvp_jaxpr, jvp_consts, [*primals, *nonzero], ctx)
+        with tangents_of(jvp_jaxpr, jvp_jaxpr.invars[len(primals) :]):
+            out = interpret(jvp_jaxpr, jvp_consts, [*primals, *nonzero], ctx)
         out_primals = _cast_all(out[: len(out_zeros)], out_dtypes)
         nonzero_out = iter(out[len(out_zeros) :])
         out_tangents = [

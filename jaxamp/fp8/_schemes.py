@@ -1,0 +1,475 @@
+"""fp8 mode's scaling schemes: how each kind of float8 matmul quantises, multiplies and differentiates.
+
+Each is a `jaxamp.fp8._differentiable.Scheme`; `differentiable_matmul` makes
+it a function JAX differentiates in every mode. Forward-mode tangents are
+multiplied in the compute dtype with the other operand as float8 holds it (the
+straight-through estimator); gradients run in float8, as each recipe says.
+
+* `Tensorwise`: Transformer Engine's ``Float8CurrentScaling``, torchao's
+  tensorwise recipe; any matmul primitive.
+* `Rowwise`: torchao's rowwise and ``rowwise_with_gw_hp`` recipes; ``dot_general``.
+* `PerGroup`: `lax.ragged_dot` with a scale per group (expert).
+* `PerShard`: tensorwise with a scale per shard of the dimensions an Explicit
+  mesh splits and the matmul does not contract; ``dot_general``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import _compat
+from ._quantize import E4M3, E5M2, place, quantize, quantize_along, quantize_rows_by_group
+
+__all__ = ["COTANGENT_FORMAT", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "sharded_free_dims"]
+
+_F32 = np.dtype(jnp.float32)
+
+# The cotangent's format in the gradient matmuls, by primitive (e5m2 unless
+# listed); the saved operands are e4m3. A convolution takes one dtype for both
+# operands, and e4m3 on both sides halved the gradient error of e5m2 on both
+# sides on the digits CNN's convolutions (figures in README "## float8"): with
+# a scale taken from the live cotangent, e5m2's extra range is not needed for
+# its largest values, and its 2 mantissa bits cost more than e4m3's 3.
+COTANGENT_FORMAT = {"conv_general_dilated": E4M3}
+
+
+def _pair(side: str, own: Any, other: Any) -> tuple[Any, Any]:
+    """``(lhs, rhs)`` from `side`'s operand and the other one."""
+    return (own, other) if side == "lhs" else (other, own)
+
+
+def _chosen(side: str, found: tuple[Any, Any]) -> Any:
+    return found[0] if side == "lhs" else found[1]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tensorwise:
+    """One scale per operand and per cotangent; float8 residuals.
+
+    Forward e4m3 x e4m3 accumulating in float32; gradients take the cotangent
+    in e5m2 (`COTANGENT_FORMAT`) against the saved e4m3 operands, through
+    JAX's own transposes at the operands' types (so their dimension numbers,
+    paddings, feature groups and shardings are JAX's).
+    """
+
+    primitive: Any
+    params: dict
+    out_dtype: Any
+    power_of_two: bool = False
+
+    @property
+    def _accumulating(self) -> dict:
+        return dict(self.params, preferred_element_type=_F32)
+
+    def quantize(self, side, x, rest):
+        return quantize(x, E4M3, self.power_of_two)
+
+    def product(self, lhs, rhs, rest):
+        (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
+        out = self.primitive.bind(q_lhs, q_rhs, *rest, **self._accumulating)
+        return (out * (s_lhs * s_rhs)).astype(self.out_dtype)
+
+    def tangent(self, side, other, t, rest):
+        q, s = other
+        other = (lax.convert_element_type(q, _F32) * s).astype(self.out_dtype)
+        pair = _pair(side, t.astype(self.out_dtype), other)
+        return self.primitive.bind(*pair, *rest, **self._accumulating).astype(self.out_dtype)
+
+    def cotangent(self, side, other, aval, g, rest):
+        q, s = other
+        q_g, s_g = quantize(g, COTANGENT_FORMAT.get(self.primitive.name, E5M2), self.power_of_two)
+        found = _compat.matmul_cotangents(
+            self.primitive, q_g, *_pair(side, aval, q), rest, self._accumulating, _F32, only=side
+        )
+        # Integer operands (a ragged dot's group sizes) get no cotangent.
+        return (_chosen(side, found) * (s_g * s)).astype(aval.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rowwise:
+    """A ``dot_general`` with a scale per row along each contraction (torchao's rowwise).
+
+    Forward: each operand gets one scale per index of its dimensions other
+    than the contracting ones (a left operand's rows, a right operand's
+    columns). Backward: the operands, saved in the compute dtype, are
+    quantised again along the gradient matmuls' own contractions (``d_lhs``
+    contracts the right operand's free dimensions, ``d_rhs`` the left
+    operand's), as is the cotangent; with `weight_gradient_hp` the right
+    operand's gradient runs in the compute dtype instead.
+    """
+
+    params: dict
+    out_dtype: Any
+    power_of_two: bool
+    weight_gradient_hp: bool
+
+    @property
+    def _primitive(self) -> Any:
+        return _compat.primitives_by_name()["dot_general"]
+
+    @property
+    def _accumulating(self) -> dict:
+        return dict(self.params, preferred_element_type=_F32)
+
+    def _layout(self, lhs_ndim, rhs_ndim):
+        (lc, rc), (lb, rb) = self.params["dimension_numbers"]
+        lf = [d for d in range(lhs_ndim) if d not in (*lc, *lb)]
+        rf = [d for d in range(rhs_ndim) if d not in (*rc, *rb)]
+        batch, out_lf = range(len(lb)), range(len(lb), len(lb) + len(lf))
+        out_rf = range(len(lb) + len(lf), len(lb) + len(lf) + len(rf))
+        return lf, rf, batch, out_lf, out_rf
+
+    def quantize(self, side, x, rest):
+        # Each product quantises along its own contraction: keep the operand.
+        return x.astype(self.out_dtype)
+
+    def product(self, lhs, rhs, rest):
+        (lc, rc), (lb, rb) = self.params["dimension_numbers"]
+        lf, rf, batch, out_lf, out_rf = self._layout(lhs.ndim, rhs.ndim)
+        q_lhs, s_lhs = quantize_along(lhs, E4M3, lc, self.power_of_two)
+        q_rhs, s_rhs = quantize_along(rhs, E4M3, rc, self.power_of_two)
+        out = self._primitive.bind(q_lhs, q_rhs, **self._accumulating)
+        to_out_lhs = {**dict(zip(lb, batch)), **dict(zip(lf, out_lf))}
+        to_out_rhs = {**dict(zip(rb, batch)), **dict(zip(rf, out_rf))}
+        out = out * place(s_lhs, sorted(to_out_lhs), to_out_lhs, out.shape)
+        out = out * place(s_rhs, sorted(to_out_rhs), to_out_rhs, out.shape)
+        return out.astype(self.out_dtype)
+
+    def tangent(self, side, other, t, rest):
+        pair = _pair(side, t.astype(self.out_dtype), other)
+        return self._primitive.bind(*pair, **self._accumulating).astype(self.out_dtype)
+
+    def cotangent(self, side, other, aval, g, rest):
+        (lc, rc), (lb, rb) = self.params["dimension_numbers"]
+        lhs_ndim, rhs_ndim = _pair(side, aval.ndim, other.ndim)
+        lf, rf, batch, out_lf, out_rf = self._layout(lhs_ndim, rhs_ndim)
+        if side == "rhs" and self.weight_gradient_hp:
+            high = dict(self.params, preferred_element_type=np.dtype(self.out_dtype))
+            g = g.astype(self.out_dtype)
+            found = _compat.matmul_cotangents(self._primitive, g, other, aval, (), high, only=side)
+            return found[1].astype(aval.dtype)
+        if side == "lhs":  # contracts the cotangent's and the right operand's free dims
+            g_contracted, g_to = tuple(out_rf), {**dict(zip(batch, lb)), **dict(zip(out_lf, lf))}
+            other_contracted, other_to = rf, {**dict(zip(rb, lb)), **dict(zip(rc, lc))}
+        else:  # contracts the cotangent's and the left operand's free dims
+            g_contracted, g_to = tuple(out_lf), {**dict(zip(batch, rb)), **dict(zip(out_rf, rf))}
+            other_contracted, other_to = lf, {**dict(zip(lb, rb)), **dict(zip(lc, rc))}
+        q_g, s_g = quantize_along(g, E5M2, g_contracted, self.power_of_two)
+        q_other, s_other = quantize_along(other, E4M3, other_contracted, self.power_of_two)
+        found = _compat.matmul_cotangents(
+            self._primitive, q_g, *_pair(side, aval, q_other), (), self._accumulating, _F32, only=side
+        )
+        d = _chosen(side, found) * place(s_g, sorted(g_to), g_to, aval.shape)
+        return (d * place(s_other, sorted(other_to), other_to, aval.shape)).astype(aval.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PerGroup:
+    """`lax.ragged_dot` with a scale per group (`jaxamp.fp8._matmul.is_per_group_layout`).
+
+    ``lhs[m, k]`` whose rows belong to the groups in order (``group_sizes``),
+    ``rhs[g, k, n]``. Each group's rows of `lhs`, its slice of `rhs` and its
+    rows of the cotangent get their own scale, so an expert with small values
+    keeps its precision. Within a group both operands' scales are constant,
+    so each product (forward and both gradients) is rescaled per group afterwards.
+    """
+
+    params: dict
+    out_dtype: Any
+
+    @property
+    def _primitive(self) -> Any:
+        return _compat.primitives_by_name()["ragged_dot_general"]
+
+    @property
+    def _accumulating(self) -> dict:
+        return dict(self.params, preferred_element_type=_F32)
+
+    @staticmethod
+    def _group_ids(group_sizes, rows):
+        groups = jnp.arange(group_sizes.shape[0], dtype=group_sizes.dtype)
+        return jnp.repeat(groups, group_sizes, total_repeat_length=rows)
+
+    def quantize(self, side, x, rest):
+        (group_sizes,) = rest
+        if side == "lhs":
+            ids = self._group_ids(group_sizes, x.shape[0])
+            return quantize_rows_by_group(x, E4M3, ids, group_sizes.shape[0])
+        return quantize_along(x, E4M3, range(1, np.ndim(x)))  # a scale per group
+
+    def product(self, lhs, rhs, rest):
+        (q_lhs, s_lhs), (q_rhs, s_rhs), (group_sizes,) = lhs, rhs, rest
+        ids = self._group_ids(group_sizes, q_lhs.shape[0])
+        out = self._primitive.bind(q_lhs, q_rhs, group_sizes, **self._accumulating)
+        return (out * (s_lhs * s_rhs)[ids][:, None]).astype(self.out_dtype)
+
+    def tangent(self, side, other, t, rest):
+        (q, s), (group_sizes,) = other, rest
+        if side == "lhs":
+            scale = s[:, None, None]
+        else:
+            scale = s[self._group_ids(group_sizes, q.shape[0])][:, None]
+        other = (lax.convert_element_type(q, _F32) * scale).astype(self.out_dtype)
+        pair = _pair(side, t.astype(self.out_dtype), other)
+        return self._primitive.bind(*pair, group_sizes, **self._accumulating).astype(self.out_dtype)
+
+    def cotangent(self, side, other, aval, g, rest):
+        (q, s), (group_sizes,) = other, rest
+        ids = self._group_ids(group_sizes, g.shape[0])
+        q_g, s_g = quantize_rows_by_group(g, E5M2, ids, group_sizes.shape[0])
+        found = _compat.matmul_cotangents(
+            self._primitive, q_g, *_pair(side, aval, q), [group_sizes], self._accumulating, _F32, only=side
+        )
+        scale = (s_g * s)[ids][:, None] if side == "lhs" else (s_g * s)[:, None, None]
+        return (_chosen(side, found) * scale).astype(aval.dtype)
+
+
+# --- scales per shard -----------------------------------------------------------
+
+
+def _spec_of(aval: Any) -> tuple:
+    spec = tuple(aval.sharding.spec)
+    return spec + (None,) * (aval.ndim - len(spec))
+
+
+def _free_dims(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
+    return [d for d in range(ndim) if d not in (*contracting, *batch)]
+
+
+def _axis_names(entry: Any) -> tuple:
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
+    """The dims of a ``dot_general``'s operands that `PerShard` scales per shard.
+
+    Each operand's dimensions split over Explicit mesh axes that the matmul
+    neither contracts nor batches, and that the other operand is not split
+    over itself (it is broadcast along them): ``({dim: (shards, spec
+    entry)}, {...})``. Empty off an Explicit mesh.
+    """
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+
+    def blocks(x, contracting, batch, other):
+        taken = {name for entry in _spec_of(jax.typeof(other)) for name in _axis_names(entry)}
+        shards = _compat.explicit_shards(x)
+        return {
+            d: shards[d]
+            for d in _free_dims(np.ndim(x), contracting, batch)
+            if d in shards and not taken.intersection(_axis_names(shards[d][1]))
+        }
+
+    return blocks(lhs, lc, lb, rhs), blocks(rhs, rc, rb, lhs)
+
+
+def shard_axes(blocks: tuple[dict, dict]) -> list[str]:
+    """The mesh axes `sharded_free_dims` found, for diagnostics."""
+    return sorted({str(name) for side in blocks for _, entry in side.values() for name in _axis_names(entry)})
+
+
+def _split_layout(aval: Any, blocks: dict) -> tuple[tuple, list, dict, dict]:
+    """`aval`'s layout with its `blocks` dims split into ``(shards, size // shards)``.
+
+    Returns ``(shape, spec, at, block_at)``: the split shape and spec (the
+    shard dim carries the mesh axes, the remainder none), and, per original
+    dim, where it (its remainder) and its shard dim land.
+    """
+    spec = _spec_of(aval)
+    new_shape, new_spec, at, block_at = [], [], {}, {}
+    for dim, size in enumerate(aval.shape):
+        if dim in blocks:
+            shards, entry = blocks[dim]
+            block_at[dim] = len(new_shape)
+            new_shape += [shards, size // shards]
+            new_spec += [entry, None]
+        else:
+            new_shape.append(size)
+            new_spec.append(spec[dim])
+        at[dim] = len(new_shape) - 1
+    return tuple(new_shape), new_spec, at, block_at
+
+
+def _product_layout(lhs: tuple, rhs: tuple, dimension_numbers: Any) -> tuple[tuple, list]:
+    """The shape and spec of a ``dot_general``'s result from its operands' ``(shape, spec)``."""
+    (lhs_shape, lhs_spec), (rhs_shape, rhs_spec) = lhs, rhs
+    (lc, rc), (lb, rb) = dimension_numbers
+    l_free, r_free = _free_dims(len(lhs_shape), lc, lb), _free_dims(len(rhs_shape), rc, rb)
+    shape = [lhs_shape[d] for d in lb] + [lhs_shape[d] for d in l_free] + [rhs_shape[d] for d in r_free]
+    spec = [lhs_spec[d] for d in lb] + [lhs_spec[d] for d in l_free] + [rhs_spec[d] for d in r_free]
+    return tuple(shape), spec
+
+
+class PerShard:
+    """A tensorwise ``dot_general`` with a scale per shard (built by `sharded_free_dims`).
+
+    On an Explicit mesh, an operand dimension that is split over mesh axes and
+    not contracted (an activation's batch or sequence dimension, a
+    column-parallel weight's output features) gets one scale per shard, so no
+    amax crosses devices. Each such dimension is split into ``(shards,
+    rest)`` and the shard dims become batch dimensions of the float8
+    ``dot_general``, the other operand broadcast along them (each device holds
+    its shard's view), so every product, forward and backward, meets one scale
+    per operand and block. A gradient that sums over blocks (data
+    parallelism's weight gradient, tensor parallelism's input gradient) sums
+    the rescaled per-block products: the all-reduce the bfloat16 step makes
+    too. A dimension split along a contraction (an FSDP or row-parallel
+    weight) keeps one scale across its shards, which must agree.
+    """
+
+    def __init__(self, params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False):
+        self.params, self.out_dtype, self.power_of_two = params, out_dtype, power_of_two
+        self.avals = {"lhs": lhs_aval, "rhs": rhs_aval}
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        self.order = {"lhs": sorted(lhs_blocks), "rhs": sorted(rhs_blocks)}
+        kl, kr, nb = len(self.order["lhs"]), len(self.order["rhs"]), len(lb)
+        self.counts = {"lhs": kl, "rhs": kr}
+        self.split = {"lhs": _split_layout(lhs_aval, lhs_blocks), "rhs": _split_layout(rhs_aval, rhs_blocks)}
+        (_, _, l_at, l_block), (_, _, r_at, r_block) = self.split["lhs"], self.split["rhs"]
+        # Each operand split, the other's shard dims in front of it.
+        self.front = {
+            "lhs": [rhs_blocks[d] for d in self.order["rhs"]],
+            "rhs": [lhs_blocks[d] for d in self.order["lhs"]],
+        }
+        l_free, r_free = _free_dims(lhs_aval.ndim, lc, lb), _free_dims(rhs_aval.ndim, rc, rb)
+        self.blocked_params = dict(
+            params,
+            out_sharding=_blocked_out_sharding(params.get("out_sharding"), lb, l_free, r_free, *self.order.values()),
+            dimension_numbers=(
+                (tuple(kr + l_at[d] for d in lc), tuple(kl + r_at[d] for d in rc)),
+                (
+                    tuple(kr + l_at[d] for d in lb) + tuple(kr + l_block[d] for d in self.order["lhs"])
+                    + tuple(range(kr)),
+                    tuple(kl + r_at[d] for d in rb) + tuple(range(kl))
+                    + tuple(kl + r_block[d] for d in self.order["rhs"]),
+                ),
+            ),  # fmt: skip
+            preferred_element_type=_F32,
+        )
+        # The blocked product is [batch, lhs shards, rhs shards, lhs free, rhs
+        # free]; `order` puts each shard dim before its remainder, so that a
+        # reshape merges them into the result's dims.
+        order, position = list(range(nb)), nb + kl + kr
+        for free, blocked, base in ((l_free, self.order["lhs"], nb), (r_free, self.order["rhs"], nb + kl)):
+            for d in free:
+                if d in blocked:
+                    order.append(base + blocked.index(d))
+                order.append(position)
+                position += 1
+        self.result_order = order
+        self.out_shape, self.out_spec = _product_layout(
+            (lhs_aval.shape, _spec_of(lhs_aval)), (rhs_aval.shape, _spec_of(rhs_aval)), params["dimension_numbers"]
+        )
+        blocked_shape, blocked_spec = _product_layout(
+            self._blocked_layout("lhs"), self._blocked_layout("rhs"), self.blocked_params["dimension_numbers"]
+        )
+        self.g_shape = tuple(blocked_shape[i] for i in order)
+        self.g_spec = P(*(blocked_spec[i] for i in order))
+        # Where each operand's and the cotangent's block scales land.
+        self.block_dims = {"lhs": [nb + i for i in range(kl)], "rhs": [nb + kl + j for j in range(kr)]}
+        self.own_block_at = {
+            "lhs": {i: kr + l_block[d] for i, d in enumerate(self.order["lhs"])},
+            "rhs": {j: kl + r_block[d] for j, d in enumerate(self.order["rhs"])},
+        }
+
+    def _blocked_layout(self, side):
+        shape, spec, _, _ = self.split[side]
+        front = self.front[side]
+        return (*(n for n, _ in front), *shape), [*(entry for _, entry in front), *spec]
+
+    def _with_front(self, side, x):
+        shape, spec = self._blocked_layout(side)
+        k = len(self.front[side])
+        return lax.broadcast_in_dim(x, shape, tuple(range(k, len(shape))), out_sharding=P(*spec))
+
+    def _merge(self, side, x):
+        aval = self.avals[side]
+        return lax.reshape(x, aval.shape, out_sharding=P(*_spec_of(aval)))
+
+    def quantize(self, side, x, rest):
+        shape, spec, _, block_at = self.split[side]
+        x = lax.reshape(lax.convert_element_type(x, _F32), shape, out_sharding=P(*spec))
+        kept = sorted(block_at.values())
+        return quantize_along(x, E4M3, [d for d in range(x.ndim) if d not in kept], self.power_of_two)
+
+    def product(self, lhs, rhs, rest):
+        (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
+        primitive = _compat.primitives_by_name()["dot_general"]
+        out = primitive.bind(self._with_front("lhs", q_lhs), self._with_front("rhs", q_rhs), **self.blocked_params)
+        for side, s in (("lhs", s_lhs), ("rhs", s_rhs)):
+            dims = self.block_dims[side]
+            out = out * place(s, range(len(dims)), dict(enumerate(dims)), out.shape)
+        out = lax.reshape(lax.transpose(out, self.result_order), self.out_shape, out_sharding=P(*self.out_spec))
+        return out.astype(self.out_dtype)
+
+    def _dequantized(self, side, residual):
+        q, s = residual
+        _, _, _, block_at = self.split[side]
+        blocks = [block_at[d] for d in self.order[side]]
+        x = lax.convert_element_type(q, _F32) * place(s, range(len(blocks)), dict(enumerate(blocks)), q.shape)
+        return self._merge(side, x)
+
+    def tangent(self, side, other, t, rest):
+        other = self._dequantized(_OTHER[side], other).astype(self.out_dtype)
+        primitive = _compat.primitives_by_name()["dot_general"]
+        accumulating = dict(self.params, preferred_element_type=_F32)
+        return primitive.bind(*_pair(side, t.astype(self.out_dtype), other), **accumulating).astype(self.out_dtype)
+
+    def cotangent(self, side, other, aval, g, rest):
+        q_other, s_other = other
+        other_side = _OTHER[side]
+        # The cotangent in the blocked product's layout, a scale per block.
+        g = lax.reshape(lax.convert_element_type(g, _F32), self.g_shape, out_sharding=self.g_spec)
+        g = lax.transpose(g, tuple(int(i) for i in np.argsort(self.result_order)))
+        kl, kr = self.counts["lhs"], self.counts["rhs"]
+        nb = len(self.params["dimension_numbers"][1][0])
+        q_g, s_g = quantize_along(g, E5M2, [d for d in range(g.ndim) if not nb <= d < nb + kl + kr], self.power_of_two)
+        shape, spec = self._blocked_layout(side)
+        blocked = aval.update(shape=shape, dtype=_F32, sharding=NamedSharding(aval.sharding.mesh, P(*spec)))
+        primitive = _compat.primitives_by_name()["dot_general"]
+        found = _compat.matmul_cotangents(
+            primitive, q_g, *_pair(side, blocked, self._with_front(other_side, q_other)), (), self.blocked_params,
+            _F32, only=side,
+        )
+        d = _chosen(side, found)
+        # `d` is [the other operand's shards, this one's split layout]; `s_g`
+        # is over [lhs shards, rhs shards]. Rescale per block, sum over the
+        # other operand's shards, merge.
+        k_front = len(self.front[side])
+        offset = 0 if side == "lhs" else kl
+        other_offset = kl if side == "lhs" else 0
+        g_position = {
+            **{offset + i: dim for i, dim in self.own_block_at[side].items()},
+            **{other_offset + j: j for j in range(k_front)},
+        }
+        d = d * place(s_g, range(kl + kr), g_position, d.shape)
+        d = d * place(s_other, range(k_front), {j: j for j in range(k_front)}, d.shape)
+        d = lax.reduce_sum(d, tuple(range(k_front))) if k_front else d
+        return self._merge(side, d).astype(aval.dtype)
+
+
+_OTHER = {"lhs": "rhs", "rhs": "lhs"}
+
+
+def _blocked_out_sharding(out_sharding, lb, l_free, r_free, lhs_order, rhs_order):
+    """The user's ``out_sharding`` of a ``dot_general``, for its blocked product (or None)."""
+    if out_sharding is None:
+        return None
+    spec = tuple(out_sharding.spec)
+    spec += (None,) * (len(lb) + len(l_free) + len(r_free) - len(spec))
+    batch, l_spec, r_spec = spec[: len(lb)], spec[len(lb) : len(lb) + len(l_free)], spec[len(lb) + len(l_free) :]
+    l_entries, r_entries = dict(zip(l_free, l_spec)), dict(zip(r_free, r_spec))
+    blocks = [l_entries[d] for d in lhs_order] + [r_entries[d] for d in rhs_order]
+    l_rest = [None if d in lhs_order else l_entries[d] for d in l_free]
+    r_rest = [None if d in rhs_order else r_entries[d] for d in r_free]
+    return NamedSharding(out_sharding.mesh, P(*batch, *blocks, *l_rest, *r_rest))
