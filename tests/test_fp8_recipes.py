@@ -121,8 +121,9 @@ def test_explain_names_the_recipe():
 @pytest.mark.parametrize(
     "fields, error, match",
     [
-        ({"scaling": "blockwise"}, ValueError,
-         r"Fp8Recipe.scaling must be one of \('tensorwise', 'rowwise', 'rowwise_with_gw_hp'\), got 'blockwise'"),
+        ({"scaling": "delayed"}, ValueError,
+         r"Fp8Recipe.scaling must be one of \('tensorwise', 'rowwise', 'rowwise_with_gw_hp', 'mxfp8', 'blockwise'\), "
+         r"got 'delayed'"),
         ({"power_of_two_scales": "yes"}, TypeError, r"power_of_two_scales must be a bool or None, got 'yes' \(str\)"),
     ],
 )

@@ -50,8 +50,17 @@ from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, use_compute_precision
 from ._differentiable import differentiable_matmul, tangent_product
 from ._quantize import E4M3, E5M2, quantize
-from ._recipe import Fp8Recipe
-from ._schemes import COTANGENT_FORMAT, PerGroup, PerShard, Rowwise, Tensorwise, shard_axes, sharded_free_dims
+from ._recipe import BLOCK_SCALINGS, Fp8Recipe
+from ._schemes import (
+    COTANGENT_FORMAT,
+    BlockScaled,
+    PerGroup,
+    PerShard,
+    Rowwise,
+    Tensorwise,
+    shard_axes,
+    sharded_free_dims,
+)
 
 __all__ = [
     "Fp8MatmulRule",
@@ -92,6 +101,12 @@ def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
     backward = f"backward {cotangent} x e4m3 -> f32"
     if primitive_name == "ragged_dot_general":
         scaling = "current, per group"
+    elif primitive_name == "dot_general" and recipe.scaling in BLOCK_SCALINGS:
+        return (
+            "float8 e4m3 x e4m3 -> f32; backward e4m3 x e4m3 -> f32; scaling: "
+            + ("mxfp8, blocks of 32, e8m0 scales" if recipe.scaling == "mxfp8" else
+               "blockwise, 1x128 tiles (the right operand 128x128), power-of-two scales")
+        )  # fmt: skip
     elif primitive_name == "dot_general" and recipe.scaling != "tensorwise":
         scaling = "current, rowwise"
         if recipe.scaling == "rowwise_with_gw_hp":
@@ -195,6 +210,13 @@ class Fp8MatmulRule:
         description = formats(name, recipe)
         if name == "ragged_dot_general":
             scheme = PerGroup(bind_params, compute_dtype)
+        elif name == "dot_general" and recipe.scaling in BLOCK_SCALINGS and not (
+            unblocked := _why_not_blocked(eqn, lhs, rhs, recipe.scaling)
+        ):
+            scheme = BlockScaled(bind_params, compute_dtype, recipe.scaling)
+        elif name == "dot_general" and recipe.scaling in BLOCK_SCALINGS:
+            scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two)
+            description = formats(name, Fp8Recipe(power_of_two_scales=True)) + f" ({recipe.scaling}: {unblocked})"
         elif name == "dot_general" and recipe.scaling != "tensorwise":
             weight_gradient_hp = recipe.scaling == "rowwise_with_gw_hp"
             scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp)
@@ -254,6 +276,13 @@ class Fp8MatmulRule:
         if flops < self.recipe.min_flops:
             return f"{flops} FLOPs < min_flops {self.recipe.min_flops}"
         return ""
+
+
+def _why_not_blocked(eqn: Any, lhs: Any, rhs: Any, scaling: str) -> str:
+    """Why a ``dot_general`` cannot take `scaling`'s blocks (it then runs tensorwise), or ``""``."""
+    if _compat.explicit_shards(lhs) or _compat.explicit_shards(rhs):
+        return "an operand split over an Explicit mesh; block scaling there is not built"
+    return BlockScaled.supports(eqn, 32 if scaling == "mxfp8" else 128)
 
 
 def with_fp8_matmuls(table: Mapping[Any, Rule], recipe: Fp8Recipe) -> PolicyTable:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["E4M3", "E5M2", "place", "quantize", "quantize_along", "quantize_rows_by_group"]
+__all__ = ["E4M3", "E5M2", "place", "quantize", "quantize_along", "quantize_blocks", "quantize_rows_by_group"]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -100,6 +100,73 @@ def quantize_rows_by_group(x: Any, fmt: Any, group_ids: Any, num_groups: int) ->
     return _apply_scale(x32, row_scales, fmt), scales
 
 
+
+
+def quantize_blocks(x: Any, axis: int, block: int, mode: str, free_axis: int | None = None,
+                    free_block: int = 1) -> tuple[Any, Any]:
+    """Quantise `x` to e4m3 with one scale per block of `block` entries along `axis`.
+
+    With `free_axis`, a block also spans `free_block` entries along it (the
+    128x128 weight tiles of Transformer Engine's ``Float8BlockScaling``).
+
+    Args:
+        x: an array whose `axis` (and `free_axis`) sizes the blocks divide.
+        mode: ``"mxfp8"``: the OCP MX format as `jax.nn.scaled_dot_general`
+            quantises it (scale ``amax / 448`` rounded up to a power of two
+            and stored as e8m0, an all-zero block scaled by 2^-127; an inf or
+            NaN in a block makes the whole block NaN, as there). ``"blockwise"``:
+            amax of the finite entries, the scale rounded up to a power of two,
+            non-finite entries passed through (see `quantize`).
+
+    Returns:
+        ``(q, scales)``: `q` in e4m3 with `x`'s shape, and float32 scales with
+        `axis` (and `free_axis`) divided by the block sizes.
+    """
+    x32 = lax.convert_element_type(x, _F32)
+    shape = x32.shape
+    split, inner = [], []  # the blocked layout; the dims inside a block
+    for dim, size in enumerate(shape):
+        if dim in (axis, free_axis):
+            width = block if dim == axis else free_block
+            split += [size // width, width]
+            inner.append(len(split) - 1)
+        else:
+            split.append(size)
+    blocked = lax.reshape(x32, tuple(split))
+    fmax = np.float32(jnp.finfo(E4M3).max)
+    if mode == "mxfp8":
+        amax = lax.reduce_max(lax.abs(blocked), tuple(inner))
+        scale, reciprocal = _e8m0_rounded_up(amax / fmax)
+        # Times the exact power-of-two reciprocal, not divided by the scale: an
+        # all-zero block's scale 2^-127 is a float32 subnormal, which the CPU
+        # flushes to zero (0 / 0 = NaN; the GPU path gives 0).
+        q = lax.clamp(-fmax, blocked * lax.expand_dims(reciprocal, inner), fmax)
+        q = lax.convert_element_type(q, E4M3)
+    else:
+        scale = _scale(lax.reduce_max(_finite_magnitude(blocked), tuple(inner)), E4M3, power_of_two=True)
+        q = _apply_scale(blocked, lax.expand_dims(scale, inner), E4M3)
+    return lax.reshape(q, tuple(shape)), scale
+
+
+def _e8m0_rounded_up(scale: Any) -> tuple[Any, Any]:
+    """A positive float32 scale as OCP MX's e8m0 holds it, rounded up: ``(scale, 1 / scale)`` in float32.
+
+    Bit for bit `jax._src.cudnn.scaled_matmul_stablehlo`'s
+    ``cast_to_e8m0_with_rounding_up`` followed by ``e8m0_to_dtype``: a
+    mantissa bit set rounds the exponent up (not past 2^127, and not for a
+    subnormal of at most half the smallest normal); exponent 0 reads as
+    2^-127, exponent 255 (an inf or NaN amax) as inf.
+    """
+    bits = lax.bitcast_convert_type(scale, np.uint32)
+    exponent = lax.shift_right_logical(bits, np.uint32(23))
+    mantissa = lax.bitwise_and(bits, np.uint32(0x7FFFFF))
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    exponent = lax.bitwise_and(exponent + lax.convert_element_type(round_up, np.uint32), np.uint32(0xFF))
+    value = lax.bitcast_convert_type(lax.shift_left(exponent, np.uint32(23)), _F32)
+    value = lax.select(value == 0, lax.full_like(value, 2.0**-127), value)
+    inverse = lax.bitcast_convert_type(lax.shift_left(np.uint32(254) - exponent, np.uint32(23)), _F32)
+    inverse = lax.select(exponent == 0xFF, lax.full_like(inverse, 0.0), inverse)
+    return value, inverse
 
 
 def place(scale: Any, kept: Sequence[int], position: dict, shape: Sequence[int]) -> Any:

@@ -7,12 +7,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe"]
+__all__ = ["BLOCK_SCALINGS", "FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe"]
 
 FP8_NAMES = ("fp8", "float8")
 """The `compute_dtype` names of fp8 mode (case and surrounding spaces ignored)."""
-SCALINGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-"""`Fp8Recipe.scaling` values (torchao's names)."""
+SCALINGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
+"""`Fp8Recipe.scaling` values (torchao's names, and NVIDIA's and Transformer Engine's block recipes)."""
+BLOCK_SCALINGS = ("mxfp8", "blockwise")
+"""The scalings with a scale per block of each product's contraction (power-of-two scales)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +38,23 @@ class Fp8Recipe:
             again along its own contractions, as torchao does.
             ``"rowwise_with_gw_hp"``: rowwise, with the weight gradient (the
             right operand's) computed in bfloat16 (torchao's recipe of that
-            name). Rowwise applies to ``dot_general``; convolutions and
-            grouped matmuls keep their own scaling.
+            name). ``"mxfp8"`` (NVIDIA's MXFP8 pretraining recipe, the OCP
+            MX format): a scale per block of 32 consecutive entries along
+            each product's contraction, forward and backward, stored as e8m0
+            and rounded up (as `jax.nn.scaled_dot_general` quantises, whose
+            quantiser this equals bit for bit; the OCP spec's floor can
+            saturate the block's largest entry), every tensor e4m3.
+            ``"blockwise"`` (Transformer Engine's ``Float8BlockScaling``, the
+            fine-grained recipe Hopper runs): 1x128 tiles along the
+            contraction for activations and gradients, 128x128 tiles for the
+            right operand (the weight) where its sizes allow, power-of-two
+            scales, e4m3. Both save the operands in bfloat16 and quantise
+            them again along each gradient matmul's contraction; a matmul
+            whose contraction, rows or output features the block size does not
+            divide, or whose operand is split over an Explicit mesh, runs
+            tensorwise (``explain`` says why). Rowwise and block scaling apply
+            to ``dot_general``; convolutions and grouped matmuls keep their
+            own scaling.
         power_of_two_scales: round each scale up to a power of two, so that
             scaling changes no mantissa bit. None (the default) means True
             for the rowwise recipes and False for tensorwise, as torchao.
@@ -108,6 +125,11 @@ class Fp8Recipe:
                 raise ValueError(f"Fp8Recipe.{name} must be at least {least}, got {value}.")
         if self.scaling not in SCALINGS:
             raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}.")
+        if self.scaling in BLOCK_SCALINGS and self.power_of_two_scales is False:
+            raise ValueError(
+                f"Fp8Recipe(scaling={self.scaling!r}) scales by powers of two (e8m0 or Transformer Engine's "
+                "power-of-two block scales); power_of_two_scales=False does not apply to it."
+            )
         if self.power_of_two_scales is not None and not isinstance(self.power_of_two_scales, (bool, np.bool_)):
             raise TypeError(
                 "Fp8Recipe.power_of_two_scales must be a bool or None, got "

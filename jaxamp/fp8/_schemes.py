@@ -27,9 +27,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _compat
-from ._quantize import E4M3, E5M2, place, quantize, quantize_along, quantize_rows_by_group
+from ._quantize import E4M3, E5M2, place, quantize, quantize_along, quantize_blocks, quantize_rows_by_group
 
-__all__ = ["COTANGENT_FORMAT", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "sharded_free_dims"]
+__all__ = [
+    "COTANGENT_FORMAT", "BlockScaled", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "blocked_dot", "shard_axes",
+    "sharded_free_dims",
+]
 
 _F32 = np.dtype(jnp.float32)
 
@@ -231,6 +234,161 @@ class PerGroup:
         )
         scale = (s_g * s)[ids][:, None] if side == "lhs" else (s_g * s)[:, None, None]
         return (_chosen(side, found) * scale).astype(aval.dtype)
+
+
+# --- scales per block of the contraction ------------------------------------------
+
+
+def _free_and_flat(x: Any, contracting: Sequence[int], batch: Sequence[int], contraction_last: bool) -> tuple:
+    """`x` as ``[batch..., free, contraction]`` (or ``[batch..., contraction, free]``).
+
+    Its free dims and its contracted dims are each flattened into one.
+    """
+    free = _free_dims(x.ndim, contracting, batch)
+    order = (*batch, *free, *contracting) if contraction_last else (*batch, *contracting, *free)
+    sizes = [x.shape[d] for d in batch]
+    flat_free = int(np.prod([x.shape[d] for d in free], dtype=int))
+    flat_contraction = int(np.prod([x.shape[d] for d in contracting], dtype=int))
+    tail = (flat_free, flat_contraction) if contraction_last else (flat_contraction, flat_free)
+    return lax.reshape(lax.transpose(x, order), (*sizes, *tail)), [x.shape[d] for d in free]
+
+
+def blocked_dot(a: Any, b: Any, dimension_numbers: Any, block: int, mode: str, b_free_block: int = 1) -> Any:
+    """``dot_general(a, b)`` in e4m3 with a scale per block of `block` along the contraction.
+
+    Each operand's entries are scaled per block of `block` consecutive
+    contraction indices (and, for `b`, `b_free_block` of its free indices:
+    2D tiles), by `quantize_blocks` in `mode`. The float8 product runs per
+    contraction block (a batch dimension of the emulated ``dot_general``,
+    accumulating in float32), each block's partial product is rescaled by its
+    two scales, and the blocks are summed: what a block-scaled float8 GEMM
+    computes. Returns float32, laid out as ``dot_general``'s result.
+    """
+    (ac, bc), (ab, bb) = dimension_numbers
+    nb = len(ab)
+    a2, a_free = _free_and_flat(a, ac, ab, contraction_last=True)  # [batch, F, K]
+    b2, b_free = _free_and_flat(b, bc, bb, contraction_last=False)  # [batch, K, G]
+    batch = a2.shape[:nb]
+    f, k, g = a2.shape[nb], a2.shape[nb + 1], b2.shape[nb + 1]
+    q_a, s_a = quantize_blocks(a2, nb + 1, block, mode)  # s_a: [batch, F, K/block]
+    free_axis = nb + 1 if b_free_block > 1 else None
+    q_b, s_b = quantize_blocks(b2, nb, block, mode, free_axis, b_free_block)  # s_b: [batch, K/block, G/b_free_block]
+    kb = k // block
+    q_a = lax.reshape(q_a, (*batch, f, kb, block))
+    q_b = lax.reshape(q_b, (*batch, kb, block, g))
+    batch_dims = tuple(range(nb))
+    out = lax.dot_general(
+        q_a, q_b, (((nb + 2,), (nb + 1,)), ((*batch_dims, nb + 1), (*batch_dims, nb))),
+        preferred_element_type=_F32,
+    )  # [batch, K/block, F, G]
+    s_a = lax.transpose(s_a, (*batch_dims, nb + 1, nb))  # [batch, K/block, F]
+    out = out * lax.broadcast_in_dim(s_a, out.shape, tuple(range(nb + 2)))
+    s_b = lax.broadcast_in_dim(s_b, (*batch, kb, g // b_free_block, b_free_block), tuple(range(nb + 2)))
+    s_b = lax.reshape(s_b, (*batch, kb, g))
+    out = out * lax.broadcast_in_dim(s_b, out.shape, (*batch_dims, nb, nb + 2))
+    out = lax.reduce_sum(out, (nb,))
+    return lax.reshape(out, (*batch, *a_free, *b_free))
+
+
+def _ranges_like(*lists: Sequence[int]) -> list[list[int]]:
+    out, start = [], 0
+    for items in lists:
+        out.append(list(range(start, start + len(items))))
+        start += len(items)
+    return out
+
+
+def _gradient_dims(dimension_numbers: Any, side: str, lhs_ndim: int, rhs_ndim: int) -> tuple[Any, list[int]]:
+    """The ``dot_general(g, other)`` giving `side`'s cotangent, and the transpose into `side`'s layout.
+
+    JAX's own ``_dot_general_transpose_lhs``/``_rhs`` arithmetic.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    if side == "lhs":
+        (xc, yc), (xb, yb), x_ndim, y_ndim = (lc, rc), (lb, rb), lhs_ndim, rhs_ndim
+    else:
+        (xc, yc), (xb, yb), x_ndim, y_ndim = (rc, lc), (rb, lb), rhs_ndim, lhs_ndim
+    x_kept, y_kept = _free_dims(x_ndim, xc, xb), _free_dims(y_ndim, yc, yb)
+    if side == "rhs":
+        ans_batch, ans_y, _ = _ranges_like(xb, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(xb, x_kept, y_kept)
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(yb)))
+    x_contract_sorted_by_y = list(np.take(xc, np.argsort(yc)))
+    return dims, [int(i) for i in np.argsort(list(xb) + x_kept + x_contract_sorted_by_y)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockScaled:
+    """A ``dot_general`` with a scale per block of its contraction: MXFP8 or Transformer Engine's blockwise.
+
+    ``mode="mxfp8"``: blocks of 32 along each product's contraction for every
+    operand, e8m0 scales rounded up, all tensors e4m3 (NVIDIA's MXFP8
+    pretraining recipe; bit for bit `jax.nn.scaled_dot_general`'s quantiser).
+    ``mode="blockwise"``: ``Float8BlockScaling``: 1x128 tiles for activations
+    and gradients, 128x128 for the right operand (the weight) where its sizes
+    allow, power-of-two scales, e4m3. Residuals: the operands in the compute
+    dtype, quantised again along each gradient matmul's own contraction
+    (2 bytes per element, as torchao's rowwise recipe saves).
+    """
+
+    params: dict
+    out_dtype: Any
+    mode: str
+
+    @property
+    def primitive(self) -> Any:
+        return _compat.primitives_by_name()["dot_general"]
+
+    @property
+    def block(self) -> int:
+        return 32 if self.mode == "mxfp8" else 128
+
+    def _weight_block(self, weight: Any, contracting: Sequence[int], batch: Sequence[int]) -> int:
+        if self.mode != "blockwise":
+            return 1
+        free = int(np.prod([weight.shape[d] for d in _free_dims(weight.ndim, contracting, batch)], dtype=int))
+        contraction = int(np.prod([weight.shape[d] for d in contracting], dtype=int))
+        return 128 if free % 128 == 0 and contraction % 128 == 0 else 1
+
+    def quantize(self, side, x, rest):
+        return x.astype(self.out_dtype)
+
+    def product(self, lhs, rhs, rest):
+        (lc, rc), (lb, rb) = self.params["dimension_numbers"]
+        weight_block = self._weight_block(rhs, rc, rb)
+        out = blocked_dot(lhs, rhs, self.params["dimension_numbers"], self.block, self.mode, weight_block)
+        return out.astype(self.out_dtype)
+
+    def tangent(self, side, other, t, rest):
+        pair = _pair(side, t.astype(self.out_dtype), other)
+        return self.primitive.bind(*pair, **dict(self.params, preferred_element_type=_F32)).astype(self.out_dtype)
+
+    def cotangent(self, side, other, aval, g, rest):
+        (lc, rc), (lb, rb) = self.params["dimension_numbers"]
+        lhs_ndim, rhs_ndim = _pair(side, aval.ndim, other.ndim)
+        dims, order = _gradient_dims(self.params["dimension_numbers"], side, lhs_ndim, rhs_ndim)
+        # The other operand is the gradient matmul's right one: the weight
+        # (for the input's gradient) keeps its 2D tiles.
+        (_, oc), (_, ob) = dims
+        weight_block = self._weight_block(other, oc, ob) if side == "lhs" else 1
+        d = blocked_dot(g, other, dims, self.block, self.mode, weight_block)
+        return lax.transpose(d, order).astype(aval.dtype)
+
+    @staticmethod
+    def supports(eqn: Any, block: int) -> str:
+        """Why `eqn` cannot run with blocks of `block` along every product's contraction, or ``""``."""
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+        sizes = {
+            "contraction": int(np.prod([lhs[d] for d in lc], dtype=int)),
+            "output features": int(np.prod([rhs[d] for d in _free_dims(len(rhs), rc, rb)], dtype=int)),
+            "rows": int(np.prod([lhs[d] for d in _free_dims(len(lhs), lc, lb)], dtype=int)),
+        }
+        for what, size in sizes.items():
+            if size % block:
+                return f"{what} {size} is not a multiple of the block size {block}"
+        return ""
 
 
 # --- scales per shard -----------------------------------------------------------
