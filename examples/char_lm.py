@@ -13,7 +13,8 @@ blocks with causal attention and layer norm, stacked and run under
 By default two runs start from the same weights and see the same batches; the
 only difference is ``jaxamp.amp(loss, compute_dtype="bf16")``. ``--modes`` picks
 other runs: ``amp fp8`` runs the matmuls in float8 (`jaxamp.Fp8Recipe`'s
-current scaling; float8 is emulated on CPU, so it is slower there); the ``bf16 ...`` modes also store the parameters and AdamW's state
+current scaling; float8 is emulated on CPU, so it is slower there), ``amp fp8
+rowwise``, ``amp fp8 mxfp8`` and ``amp fp8 blockwise`` with those scaling recipes; the ``bf16 ...`` modes also store the parameters and AdamW's state
 in bfloat16 with `jaxamp.optim` (see `benchmarks.optimizer_memory.PRECISIONS`),
 rounding stochastically, with a Kahan buffer, or to nearest. Every
 ``--print-every`` steps the training and validation losses are printed next to
@@ -43,6 +44,9 @@ MODES = {
     "float32": (None, "float32"),
     "amp bf16": ("bf16", "float32"),
     "amp fp8": ("fp8", "float32"),
+    "amp fp8 rowwise": (jaxamp.Fp8Recipe(scaling="rowwise"), "float32"),
+    "amp fp8 mxfp8": (jaxamp.Fp8Recipe(scaling="mxfp8"), "float32"),
+    "amp fp8 blockwise": (jaxamp.Fp8Recipe(scaling="blockwise"), "float32"),
     "bf16 stochastic": ("bf16", "bf16 stochastic"),
     "bf16 kahan": ("bf16", "bf16 kahan"),
     "bf16 nearest": ("bf16", "bf16 nearest"),

@@ -208,23 +208,23 @@ class Fp8MatmulRule:
         recipe, name = self.recipe, eqn.primitive.name
         power_of_two = recipe.rounds_scales_to_powers_of_two
         description = formats(name, recipe)
+        blocked = name == "dot_general" and recipe.scaling in BLOCK_SCALINGS
+        unblocked = _why_not_blocked(eqn, lhs, rhs, recipe.scaling) if blocked else ""
         if name == "ragged_dot_general":
             scheme = PerGroup(bind_params, compute_dtype)
-        elif name == "dot_general" and recipe.scaling in BLOCK_SCALINGS and not (
-            unblocked := _why_not_blocked(eqn, lhs, rhs, recipe.scaling)
-        ):
+        elif blocked and not unblocked:
             scheme = BlockScaled(bind_params, compute_dtype, recipe.scaling)
-        elif name == "dot_general" and recipe.scaling in BLOCK_SCALINGS:
-            scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two)
-            description = formats(name, Fp8Recipe(power_of_two_scales=True)) + f" ({recipe.scaling}: {unblocked})"
-        elif name == "dot_general" and recipe.scaling != "tensorwise":
+        elif name == "dot_general" and recipe.scaling in ("rowwise", "rowwise_with_gw_hp"):
             weight_gradient_hp = recipe.scaling == "rowwise_with_gw_hp"
             scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp)
-        elif name == "dot_general" and any(blocks := sharded_free_dims(eqn, lhs, rhs)):
-            scheme = PerShard(bind_params, jax.typeof(lhs), jax.typeof(rhs), *blocks, compute_dtype, power_of_two)
-            description += f", a scale per shard along {', '.join(shard_axes(blocks))}"
+        elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
+            scheme = PerShard(bind_params, jax.typeof(lhs), jax.typeof(rhs), *shards, compute_dtype, power_of_two)
         else:
             scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two)
+        if unblocked:
+            description = formats(name, Fp8Recipe(power_of_two_scales=True)) + f" ({recipe.scaling}: {unblocked})"
+        if isinstance(scheme, PerShard):
+            description += f", a scale per shard along {', '.join(shard_axes(shards))}"
         linear = linear_operands(eqn)
         if linear is not None and any(linear[:2]):
             # In a custom_jvp rule, a tangent times a primal: linear in the
@@ -281,7 +281,7 @@ class Fp8MatmulRule:
 def _why_not_blocked(eqn: Any, lhs: Any, rhs: Any, scaling: str) -> str:
     """Why a ``dot_general`` cannot take `scaling`'s blocks (it then runs tensorwise), or ``""``."""
     if _compat.explicit_shards(lhs) or _compat.explicit_shards(rhs):
-        return "an operand split over an Explicit mesh; block scaling there is not built"
+        return "an operand split over an Explicit mesh, where block scaling is not built (tensorwise, per shard)"
     return BlockScaled.supports(eqn, 32 if scaling == "mxfp8" else 128)
 
 
