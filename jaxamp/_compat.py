@@ -733,7 +733,7 @@ def matmul_cotangents(
     return d_lhs, d_rhs
 
 
-# --- fp8 scales per shard (jaxamp/fp8/_matmul.py) ---
+# --- fp8 scales per shard (jaxamp/fp8/_schemes.py) ---
 # On an Explicit mesh an array's type names the mesh axes each dimension is
 # split over (`jax.typeof(x).sharding`); on an Auto mesh it names none (XLA
 # places the array after tracing), and inside `shard_map` the manual axes are
@@ -798,13 +798,6 @@ def _linear_call_batcher(axis_data, args, dims, *, callee, transpose_thunk, num_
 
     outs = linear_call_p.bind(*moved, **dict(params, callee=batched_callee, transpose_thunk=batched_transpose))
     return outs, [0] * len(outs)
-
-
-def broadcast_like(scalar: Any, like: Any) -> jax.Array:
-    """`scalar` broadcast to `like`'s shape and sharding (varying axes come from `scalar`)."""
-    sharding = jax.typeof(like).sharding
-    mesh_axes = getattr(getattr(sharding, "mesh", None), "axis_names", ())
-    return jax.lax.broadcast_in_dim(scalar, jax.typeof(like).shape, (), out_sharding=sharding if mesh_axes else None)
 
 
 def register_linear_call_batching() -> None:

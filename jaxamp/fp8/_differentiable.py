@@ -32,11 +32,11 @@ from jax.custom_derivatives import linear_call
 
 from .. import _compat
 
-__all__ = ["Fp8HigherOrderError", "Scheme", "differentiable_matmul", "tangent_product"]
+__all__ = ["OTHER_SIDE", "Fp8HigherOrderError", "Scheme", "differentiable_matmul", "tangent_product"]
 
 _compat.register_linear_call_batching()
 
-_OTHER = {"lhs": "rhs", "rhs": "lhs"}
+OTHER_SIDE = {"lhs": "rhs", "rhs": "lhs"}
 
 
 class Scheme(Protocol):
@@ -90,7 +90,7 @@ def tangent_product(scheme: Scheme, side: str, lhs: Any, rhs: Any, *rest: Any) -
     forward, the scheme's tangent product; transposed, its float8 gradient matmul.
     """
     operands = {"lhs": lhs, "rhs": rhs}
-    other = _OTHER[side]
+    other = OTHER_SIDE[side]
     residual = scheme.quantize(other, _first_order_only(operands[other]), rest)
     aval = jax.typeof(operands[side])
 

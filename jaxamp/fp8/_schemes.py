@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _compat
+from ._differentiable import OTHER_SIDE
 from ._quantize import E4M3, E5M2, place, quantize, quantize_along, quantize_blocks, quantize_rows_by_group
 
 __all__ = [
@@ -578,14 +579,14 @@ class PerShard:
         return self._merge(side, x)
 
     def tangent(self, side, other, t, rest):
-        other = self._dequantized(_OTHER[side], other).astype(self.out_dtype)
+        other = self._dequantized(OTHER_SIDE[side], other).astype(self.out_dtype)
         primitive = _compat.primitives_by_name()["dot_general"]
         accumulating = dict(self.params, preferred_element_type=_F32)
         return primitive.bind(*_pair(side, t.astype(self.out_dtype), other), **accumulating).astype(self.out_dtype)
 
     def cotangent(self, side, other, aval, g, rest):
         q_other, s_other = other
-        other_side = _OTHER[side]
+        other_side = OTHER_SIDE[side]
         # The cotangent in the blocked product's layout, a scale per block.
         g = lax.reshape(lax.convert_element_type(g, _F32), self.g_shape, out_sharding=self.g_spec)
         g = lax.transpose(g, tuple(int(i) for i in np.argsort(self.result_order)))
@@ -615,8 +616,6 @@ class PerShard:
         d = lax.reduce_sum(d, tuple(range(k_front))) if k_front else d
         return self._merge(side, d).astype(aval.dtype)
 
-
-_OTHER = {"lhs": "rhs", "rhs": "lhs"}
 
 
 def _blocked_out_sharding(out_sharding, lb, l_free, r_free, lhs_order, rhs_order):
