@@ -85,9 +85,12 @@ def test_a_mesh_after_another_with_the_same_shapes():
                 *_sharded_args(mesh, "fsdp")
             )
         results.setdefault(mode, []).append(grads)
+    want = jax.grad(_loss_for("jit", "fsdp"))(*_problem())
     for name in results["auto"][0]:
         np.testing.assert_array_equal(results["auto"][0][name], results["auto"][1][name])
-        assert _relative_error(results["explicit"][0][name], results["auto"][0][name]) < TOLERANCE
+        # The Explicit mesh scales per shard (the Auto one globally): the
+        # float32 tolerance of the other per-shard tests.
+        assert _relative_error(results["explicit"][0][name], want[name]) < 0.25
 
 
 def _collectives(jaxpr):
@@ -152,6 +155,7 @@ PER_SHARD_CASES = {
     "column parallel": ("bd,dh->bh", [((8, 16), P("data")), ((16, 32), P(None, "model")), ((8, 32), P("data", "model"))]),
     "transposed weight": ("bd,hd->bh", [((8, 16), P("data")), ((32, 16), P("model")), ((8, 32), P("data", "model"))]),
     "row parallel": ("bd,dh->bh", [((8, 16), P("data", "model")), ((16, 32), P("model")), ((8, 32), P("data"))]),
+    "fsdp weight": ("bd,dh->bh", [((8, 16), P("data")), ((16, 32), P("data")), ((8, 32), P("data"))]),
 }
 
 
@@ -200,3 +204,24 @@ def test_per_shard_scales_need_no_all_reduce_beyond_bf16(mode, layout, extra):
             step = jax.jit(jax.grad(jaxamp.amp(_loss_for(mode, layout), compute_dtype=compute_dtype)))
             counts[str(compute_dtype)] = _all_reduces(step.lower(*args).compile().as_text())
     assert counts[str(FP8)] == counts["bf16"] + extra, counts
+
+
+def test_an_fsdp_weight_is_gathered_in_float8_after_one_agreed_scale():
+    # The FSDP layout of the sharding matrix on an Explicit mesh: each weight's
+    # amax is reduced once (XLA combines the three scalars into one
+    # all-reduce), its float8 copy all-gathered, and the activations and
+    # cotangents scaled per shard. bf16 mode: 3 all-reduces, 1 all-gather and
+    # 4 collective-permutes. (XLA's CPU backend moves a float8 all-gather as
+    # 16-bit values: the gathered operands below are f16 there.)
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        args = _sharded_args(mesh, "fsdp")
+        fp8 = jax.jit(jax.grad(jaxamp.amp(_loss_for("explicit", "fsdp"), compute_dtype=FP8)))
+        jaxpr = jax.make_jaxpr(jax.grad(jaxamp.amp(_loss_for("explicit", "fsdp"), compute_dtype=FP8)))(*args)
+        hlo = fp8.lower(*args).compile().as_text()
+    gathered = [
+        eqn for eqn in iter_eqns(jaxpr)
+        if eqn.primitive.name == "reshard" and eqn.invars[0].aval.dtype == E4M3
+    ]  # fmt: skip
+    assert len(gathered) >= 2, [e.primitive.name for e in iter_eqns(jaxpr)]
+    assert _all_reduces(hlo) == 2, hlo

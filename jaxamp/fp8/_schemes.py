@@ -415,13 +415,18 @@ def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
 
     Each operand's dimensions split over Explicit mesh axes that the matmul
     neither contracts nor batches, and that the other operand is not split
-    over itself (it is broadcast along them): ``({dim: (shards, spec
-    entry)}, {...})``. Empty off an Explicit mesh.
+    over along its own free or batch dimensions (it is broadcast along them;
+    where the other operand is split over them along its contraction, an
+    FSDP weight, `PerShard` gathers its float8 copy first): ``({dim: (shards,
+    spec entry)}, {...})``. Empty off an Explicit mesh.
     """
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
 
-    def blocks(x, contracting, batch, other):
-        taken = {name for entry in _spec_of(jax.typeof(other)) for name in _axis_names(entry)}
+    def blocks(x, contracting, batch, other, other_contracting):
+        other_spec = _spec_of(jax.typeof(other))
+        taken = {
+            name for d, entry in enumerate(other_spec) if d not in other_contracting for name in _axis_names(entry)
+        }
         shards = _compat.explicit_shards(x)
         return {
             d: shards[d]
@@ -429,7 +434,7 @@ def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
             if d in shards and not taken.intersection(_axis_names(shards[d][1]))
         }
 
-    return blocks(lhs, lc, lb, rhs), blocks(rhs, rc, rb, lhs)
+    return blocks(lhs, lc, lb, rhs, rc), blocks(rhs, rc, rb, lhs, lc)
 
 
 def shard_axes(blocks: tuple[dict, dict]) -> list[str]:
@@ -437,14 +442,15 @@ def shard_axes(blocks: tuple[dict, dict]) -> list[str]:
     return sorted({str(name) for side in blocks for _, entry in side.values() for name in _axis_names(entry)})
 
 
-def _split_layout(aval: Any, blocks: dict) -> tuple[tuple, list, dict, dict]:
+def _split_layout(aval: Any, blocks: dict, spec: Sequence[Any] | None = None) -> tuple[tuple, list, dict, dict]:
     """`aval`'s layout with its `blocks` dims split into ``(shards, size // shards)``.
 
     Returns ``(shape, spec, at, block_at)``: the split shape and spec (the
-    shard dim carries the mesh axes, the remainder none), and, per original
-    dim, where it (its remainder) and its shard dim land.
+    shard dim carries the mesh axes, the remainder none; the other dims
+    `spec`, by default `aval`'s), and, per original dim, where it (its
+    remainder) and its shard dim land.
     """
-    spec = _spec_of(aval)
+    spec = _spec_of(aval) if spec is None else spec
     new_shape, new_spec, at, block_at = [], [], {}, {}
     for dim, size in enumerate(aval.shape):
         if dim in blocks:
@@ -457,6 +463,14 @@ def _split_layout(aval: Any, blocks: dict) -> tuple[tuple, list, dict, dict]:
             new_spec.append(spec[dim])
         at[dim] = len(new_shape) - 1
     return tuple(new_shape), new_spec, at, block_at
+
+
+def _without(entry: Any, axes: set) -> Any:
+    """A spec entry with `axes` removed (None if none is left)."""
+    kept = tuple(name for name in _axis_names(entry) if name not in axes)
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 and not isinstance(entry, tuple) else kept
 
 
 def _product_layout(lhs: tuple, rhs: tuple, dimension_numbers: Any) -> tuple[tuple, list]:
@@ -493,7 +507,21 @@ class PerShard:
         self.order = {"lhs": sorted(lhs_blocks), "rhs": sorted(rhs_blocks)}
         kl, kr, nb = len(self.order["lhs"]), len(self.order["rhs"]), len(lb)
         self.counts = {"lhs": kl, "rhs": kr}
-        self.split = {"lhs": _split_layout(lhs_aval, lhs_blocks), "rhs": _split_layout(rhs_aval, rhs_blocks)}
+        blocks = {"lhs": lhs_blocks, "rhs": rhs_blocks}
+        # An operand split along its contraction over the axes of the other's
+        # shards (an FSDP weight) is gathered, as float8, off those axes.
+        contracting = {"lhs": lc, "rhs": rc}
+        self.gathered_spec = {}
+        for side, aval in self.avals.items():
+            other_axes = {n for _, entry in blocks[OTHER_SIDE[side]].values() for n in _axis_names(entry)}
+            self.gathered_spec[side] = [
+                _without(entry, other_axes) if d in contracting[side] else entry
+                for d, entry in enumerate(_spec_of(aval))
+            ]
+        self.own_split = {side: _split_layout(self.avals[side], blocks[side]) for side in blocks}
+        self.split = {
+            side: _split_layout(self.avals[side], blocks[side], self.gathered_spec[side]) for side in blocks
+        }
         (_, _, l_at, l_block), (_, _, r_at, r_block) = self.split["lhs"], self.split["rhs"]
         # Each operand split, the other's shard dims in front of it.
         self.front = {
@@ -553,13 +581,20 @@ class PerShard:
 
     def _merge(self, side, x):
         aval = self.avals[side]
-        return lax.reshape(x, aval.shape, out_sharding=P(*_spec_of(aval)))
+        x = lax.reshape(x, aval.shape, out_sharding=P(*self.gathered_spec[side]))
+        if self.gathered_spec[side] != list(_spec_of(aval)):
+            x = jax.sharding.reshard(x, P(*_spec_of(aval)))
+        return x
 
     def quantize(self, side, x, rest):
-        shape, spec, _, block_at = self.split[side]
+        shape, spec, _, block_at = self.own_split[side]
         x = lax.reshape(lax.convert_element_type(x, _F32), shape, out_sharding=P(*spec))
         kept = sorted(block_at.values())
-        return quantize_along(x, E4M3, [d for d in range(x.ndim) if d not in kept], self.power_of_two)
+        q, scale = quantize_along(x, E4M3, [d for d in range(x.ndim) if d not in kept], self.power_of_two)
+        gathered = self.split[side][1]
+        if gathered != spec:  # the float8 all-gather of an FSDP weight
+            q = jax.sharding.reshard(q, P(*gathered))
+        return q, scale
 
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
