@@ -194,3 +194,33 @@ def test_sizes_the_block_does_not_divide_run_tensorwise_and_say_why():
 def test_block_recipes_reject_power_of_two_scales_off():
     with pytest.raises(ValueError, match="scales by powers of two"):
         jaxamp.Fp8Recipe(scaling="mxfp8", power_of_two_scales=False)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("gradient_format", [None, "e4m3", "e5m2"])
+def test_gradient_format_chooses_the_cotangent_dtype_of_every_gradient_matmul(scaling, gradient_format):
+    rng = np.random.default_rng(0)
+    n = 128
+    x, w1, w2 = (_signed_permutation(rng, n) for _ in range(3))
+
+    def loss(w1, w2):
+        return jnp.sum(((x @ w1) ** 2) @ w2)
+
+    recipe = jaxamp.Fp8Recipe(
+        scaling=scaling, keep_last_matmul_bf16=False, gradient_format=gradient_format, power_of_two_scales=True
+    )
+    fp8 = jaxamp.amp(loss, compute_dtype=recipe)
+    default = "e4m3" if scaling in ("mxfp8", "blockwise") else "e5m2"
+    want = jnp.dtype(jnp.float8_e4m3fn if (gradient_format or default) == "e4m3" else jnp.float8_e5m2)
+    dtypes = matmul_operand_dtypes(jax.make_jaxpr(jax.grad(fp8, (0, 1)))(w1, w2))
+    gradients = [ds for _, ds in dtypes[2:]]  # after the two forward matmuls
+    assert len(gradients) == 3 and all(want in ds for ds in gradients), dtypes
+    # Exact either way on powers of two, where a scale per row or block holds
+    # the cotangent's range (one scale per tensor flushes its smallest entries).
+    for got, ref in zip(jax.grad(fp8, (0, 1))(w1, w2), jax.grad(loss, (0, 1))(w1, w2)):
+        if scaling == "tensorwise":
+            assert np.linalg.norm(np.asarray(got) - ref) < 0.05 * np.linalg.norm(ref)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    notes = str(jaxamp.explain(loss, compute_dtype=recipe)(w1, w2))
+    assert f"backward {'e4m3' if want == E4M3 else 'e5m2'} x e4m3" in notes

@@ -169,5 +169,5 @@ def test_bad_recipe_fields(fields, error, match):
 def test_the_default_recipe():
     assert dataclasses.asdict(Fp8Recipe()) == {
         "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "min_contraction": 16, "gemm_multiple": 16,
-        "keep_last_matmul_bf16": True, "attention": False, "grouped": False,
+        "keep_last_matmul_bf16": True, "attention": False, "grouped": False, "gradient_format": None,
     }  # fmt: skip

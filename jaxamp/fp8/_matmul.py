@@ -16,9 +16,10 @@ torchao's tensorwise dynamic scaling:
   (wider range, ±57344) and meets the saved e4m3 operands in the gradient
   matmuls, again accumulating in float32. Convolutions need one dtype on both
   sides, so their gradient convolutions run e4m3 x e4m3 (see
-  `jaxamp.fp8._schemes.COTANGENT_FORMAT`). The scaled matmul's derivative is
-  the straight-through one, in every mode of differentiation (forward mode,
-  higher order; see `jaxamp.fp8._differentiable`).
+  `Fp8Recipe.gradient_dtype`; `Fp8Recipe.gradient_format` chooses). The
+  scaled matmul's derivative is the straight-through one, in forward and
+  reverse mode; differentiating it again raises (see
+  `jaxamp.fp8._differentiable`).
 
 The scaling schemes (tensorwise, rowwise, per group, per shard) are in
 `jaxamp.fp8._schemes`, the quantisers in `jaxamp.fp8._quantize`.
@@ -49,10 +50,9 @@ from ..transform._interpreter import HANDLERS, EquationRewrite, warn_once
 from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, use_compute_precision
 from ._differentiable import differentiable_matmul, tangent_product
-from ._quantize import E4M3, E5M2, quantize
+from ._quantize import E4M3, quantize
 from ._recipe import BLOCK_SCALINGS, Fp8Recipe
 from ._schemes import (
-    COTANGENT_FORMAT,
     BlockScaled,
     PerGroup,
     PerShard,
@@ -97,13 +97,13 @@ def _normalised(dimension_numbers: Any) -> tuple:
 def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
     """How fp8 mode runs a matmul of `primitive_name` under `recipe`, for diagnostics."""
     recipe = Fp8Recipe() if recipe is None else recipe
-    cotangent = dtype_short_name(COTANGENT_FORMAT.get(primitive_name, E5M2))
+    cotangent = dtype_short_name(recipe.gradient_dtype(primitive_name))
     backward = f"backward {cotangent} x e4m3 -> f32"
     if primitive_name == "ragged_dot_general":
         scaling = "current, per group"
     elif primitive_name == "dot_general" and recipe.scaling in BLOCK_SCALINGS:
         return (
-            "float8 e4m3 x e4m3 -> f32; backward e4m3 x e4m3 -> f32; scaling: "
+            f"float8 e4m3 x e4m3 -> f32; {backward}; scaling: "
             + ("mxfp8, blocks of 32, e8m0 scales" if recipe.scaling == "mxfp8" else
                "blockwise, 1x128 tiles (the right operand 128x128), power-of-two scales")
         )  # fmt: skip
@@ -210,19 +210,24 @@ class Fp8MatmulRule:
         description = formats(name, recipe)
         blocked = name == "dot_general" and recipe.scaling in BLOCK_SCALINGS
         unblocked = _why_not_blocked(eqn, lhs, rhs, recipe.scaling) if blocked else ""
+        gradient = recipe.gradient_dtype(name)
         if name == "ragged_dot_general":
-            scheme = PerGroup(bind_params, compute_dtype)
+            scheme = PerGroup(bind_params, compute_dtype, gradient)
         elif blocked and not unblocked:
-            scheme = BlockScaled(bind_params, compute_dtype, recipe.scaling)
+            scheme = BlockScaled(bind_params, compute_dtype, recipe.scaling, gradient)
         elif name == "dot_general" and recipe.scaling in ("rowwise", "rowwise_with_gw_hp"):
             weight_gradient_hp = recipe.scaling == "rowwise_with_gw_hp"
-            scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp)
+            scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp, gradient)
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
-            scheme = PerShard(bind_params, jax.typeof(lhs), jax.typeof(rhs), *shards, compute_dtype, power_of_two)
+            avals = (jax.typeof(lhs), jax.typeof(rhs))
+            scheme = PerShard(bind_params, *avals, *shards, compute_dtype, power_of_two, gradient)
         else:
-            scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two)
+            scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two, gradient)
         if unblocked:
-            description = formats(name, Fp8Recipe(power_of_two_scales=True)) + f" ({recipe.scaling}: {unblocked})"
+            tensorwise = dataclasses.replace(
+                recipe, scaling="tensorwise", power_of_two_scales=True, gradient_format=dtype_short_name(gradient)
+            )
+            description = formats(name, tensorwise) + f" ({recipe.scaling}: {unblocked})"
         if isinstance(scheme, PerShard):
             description += f", a scale per shard along {', '.join(shard_axes(shards))}"
         linear = linear_operands(eqn)

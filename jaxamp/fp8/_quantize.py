@@ -103,8 +103,8 @@ def quantize_rows_by_group(x: Any, fmt: Any, group_ids: Any, num_groups: int) ->
 
 
 def quantize_blocks(x: Any, axis: int, block: int, mode: str, free_axis: int | None = None,
-                    free_block: int = 1) -> tuple[Any, Any]:
-    """Quantise `x` to e4m3 with one scale per block of `block` entries along `axis`.
+                    free_block: int = 1, fmt: Any = E4M3) -> tuple[Any, Any]:
+    """Quantise `x` to `fmt` (e4m3 by default) with one scale per block of `block` entries along `axis`.
 
     With `free_axis`, a block also spans `free_block` entries along it (the
     128x128 weight tiles of Transformer Engine's ``Float8BlockScaling``).
@@ -112,14 +112,14 @@ def quantize_blocks(x: Any, axis: int, block: int, mode: str, free_axis: int | N
     Args:
         x: an array whose `axis` (and `free_axis`) sizes the blocks divide.
         mode: ``"mxfp8"``: the OCP MX format as `jax.nn.scaled_dot_general`
-            quantises it (scale ``amax / 448`` rounded up to a power of two
+            quantises it (scale ``amax / max(fmt)`` rounded up to a power of two
             and stored as e8m0, an all-zero block scaled by 2^-127; an inf or
             NaN in a block makes the whole block NaN, as there). ``"blockwise"``:
             amax of the finite entries, the scale rounded up to a power of two,
             non-finite entries passed through (see `quantize`).
 
     Returns:
-        ``(q, scales)``: `q` in e4m3 with `x`'s shape, and float32 scales with
+        ``(q, scales)``: `q` in `fmt` with `x`'s shape, and float32 scales with
         `axis` (and `free_axis`) divided by the block sizes.
     """
     x32 = lax.convert_element_type(x, _F32)
@@ -133,7 +133,7 @@ def quantize_blocks(x: Any, axis: int, block: int, mode: str, free_axis: int | N
         else:
             split.append(size)
     blocked = lax.reshape(x32, tuple(split))
-    fmax = np.float32(jnp.finfo(E4M3).max)
+    fmax = np.float32(jnp.finfo(fmt).max)
     if mode == "mxfp8":
         amax = lax.reduce_max(lax.abs(blocked), tuple(inner))
         scale, reciprocal = _e8m0_rounded_up(amax / fmax)
@@ -141,10 +141,10 @@ def quantize_blocks(x: Any, axis: int, block: int, mode: str, free_axis: int | N
         # all-zero block's scale 2^-127 is a float32 subnormal, which the CPU
         # flushes to zero (0 / 0 = NaN; the GPU path gives 0).
         q = lax.clamp(-fmax, blocked * lax.expand_dims(reciprocal, inner), fmax)
-        q = lax.convert_element_type(q, E4M3)
+        q = lax.convert_element_type(q, fmt)
     else:
-        scale = _scale(lax.reduce_max(_finite_magnitude(blocked), tuple(inner)), E4M3, power_of_two=True)
-        q = _apply_scale(blocked, lax.expand_dims(scale, inner), E4M3)
+        scale = _scale(lax.reduce_max(_finite_magnitude(blocked), tuple(inner)), fmt, power_of_two=True)
+        q = _apply_scale(blocked, lax.expand_dims(scale, inner), fmt)
     return lax.reshape(q, tuple(shape)), scale
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["BLOCK_SCALINGS", "FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe"]
@@ -94,6 +95,14 @@ class Fp8Recipe:
             out of float8 unless asked: both operands are activations, and
             one scale across all heads costs the heads with small values
             their precision.
+        gradient_format: the float8 format of the cotangent in the gradient
+            matmuls (the saved operands are e4m3): ``"e5m2"`` (wider range,
+            Transformer Engine's HYBRID format) or ``"e4m3"`` (one more
+            mantissa bit). None (the default): e5m2 for the tensorwise and
+            rowwise recipes, e4m3 for mxfp8 and blockwise (NVIDIA's MXFP8
+            recipe). Convolutions take one dtype on both sides, so their
+            gradients run e4m3 x e4m3 whatever this says (``explain`` shows
+            each matmul's formats).
         grouped: run grouped matmuls (``lax.ragged_dot``, mixture-of-experts
             layers) in float8, with a scale per group (expert) for each
             operand and cotangent, as Transformer Engine's grouped
@@ -113,6 +122,7 @@ class Fp8Recipe:
     keep_last_matmul_bf16: bool = True
     attention: bool = False
     grouped: bool = False
+    gradient_format: str | None = None
 
     def __post_init__(self) -> None:
         for name, least in (("min_flops", 0), ("min_contraction", 1), ("gemm_multiple", 1)):
@@ -135,11 +145,29 @@ class Fp8Recipe:
                 "Fp8Recipe.power_of_two_scales must be a bool or None, got "
                 f"{self.power_of_two_scales!r} ({type(self.power_of_two_scales).__name__})."
             )
+        if self.gradient_format not in (None, "e4m3", "e5m2"):
+            raise ValueError(
+                f"Fp8Recipe.gradient_format must be None, 'e4m3' or 'e5m2', got {self.gradient_format!r}."
+            )
         for name in ("keep_last_matmul_bf16", "attention", "grouped"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"Fp8Recipe.{name} must be a bool, got {value!r} ({type(value).__name__}).")
 
+
+    def gradient_dtype(self, primitive_name: str) -> np.dtype:
+        """The cotangent's float8 dtype in the gradient matmuls of a `primitive_name` matmul.
+
+        A convolution takes one dtype for both operands, and e4m3 on both
+        sides halved the gradient error of e5m2 on both sides on the digits
+        CNN's convolutions (figures in README "## float8"): with a scale taken
+        from the live cotangent, e5m2's extra range is not needed for its
+        largest values, and its 2 mantissa bits cost more than e4m3's 3.
+        """
+        if primitive_name == "conv_general_dilated":
+            return np.dtype(ml_dtypes.float8_e4m3fn)
+        name = self.gradient_format or ("e4m3" if self.scaling in BLOCK_SCALINGS else "e5m2")
+        return np.dtype(ml_dtypes.float8_e4m3fn if name == "e4m3" else ml_dtypes.float8_e5m2)
 
     @property
     def rounds_scales_to_powers_of_two(self) -> bool:

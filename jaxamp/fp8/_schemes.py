@@ -31,19 +31,12 @@ from ._differentiable import OTHER_SIDE
 from ._quantize import E4M3, E5M2, place, quantize, quantize_along, quantize_blocks, quantize_rows_by_group
 
 __all__ = [
-    "COTANGENT_FORMAT", "BlockScaled", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "blocked_dot", "shard_axes",
+    "BlockScaled", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "blocked_dot", "shard_axes",
     "sharded_free_dims",
 ]
 
 _F32 = np.dtype(jnp.float32)
 
-# The cotangent's format in the gradient matmuls, by primitive (e5m2 unless
-# listed); the saved operands are e4m3. A convolution takes one dtype for both
-# operands, and e4m3 on both sides halved the gradient error of e5m2 on both
-# sides on the digits CNN's convolutions (figures in README "## float8"): with
-# a scale taken from the live cotangent, e5m2's extra range is not needed for
-# its largest values, and its 2 mantissa bits cost more than e4m3's 3.
-COTANGENT_FORMAT = {"conv_general_dilated": E4M3}
 
 
 def _pair(side: str, own: Any, other: Any) -> tuple[Any, Any]:
@@ -60,7 +53,7 @@ class Tensorwise:
     """One scale per operand and per cotangent; float8 residuals.
 
     Forward e4m3 x e4m3 accumulating in float32; gradients take the cotangent
-    in e5m2 (`COTANGENT_FORMAT`) against the saved e4m3 operands, through
+    in `gradient_format` (`Fp8Recipe.gradient_dtype`) against the saved e4m3 operands, through
     JAX's own transposes at the operands' types (so their dimension numbers,
     paddings, feature groups and shardings are JAX's).
     """
@@ -69,6 +62,7 @@ class Tensorwise:
     params: dict
     out_dtype: Any
     power_of_two: bool = False
+    gradient_format: Any = E5M2
 
     @property
     def _accumulating(self) -> dict:
@@ -90,7 +84,7 @@ class Tensorwise:
 
     def cotangent(self, side, other, aval, g, rest):
         q, s = other
-        q_g, s_g = quantize(g, COTANGENT_FORMAT.get(self.primitive.name, E5M2), self.power_of_two)
+        q_g, s_g = quantize(g, self.gradient_format, self.power_of_two)
         found = _compat.matmul_cotangents(
             self.primitive, q_g, *_pair(side, aval, q), rest, self._accumulating, _F32, only=side
         )
@@ -115,6 +109,7 @@ class Rowwise:
     out_dtype: Any
     power_of_two: bool
     weight_gradient_hp: bool
+    gradient_format: Any = E5M2
 
     @property
     def _primitive(self) -> Any:
@@ -167,7 +162,7 @@ class Rowwise:
         else:  # contracts the cotangent's and the left operand's free dims
             g_contracted, g_to = tuple(out_lf), {**dict(zip(batch, rb)), **dict(zip(out_rf, rf))}
             other_contracted, other_to = lf, {**dict(zip(lb, rb)), **dict(zip(lc, rc))}
-        q_g, s_g = quantize_along(g, E5M2, g_contracted, self.power_of_two)
+        q_g, s_g = quantize_along(g, self.gradient_format, g_contracted, self.power_of_two)
         q_other, s_other = quantize_along(other, E4M3, other_contracted, self.power_of_two)
         found = _compat.matmul_cotangents(
             self._primitive, q_g, *_pair(side, aval, q_other), (), self._accumulating, _F32, only=side
@@ -189,6 +184,7 @@ class PerGroup:
 
     params: dict
     out_dtype: Any
+    gradient_format: Any = E5M2
 
     @property
     def _primitive(self) -> Any:
@@ -229,7 +225,7 @@ class PerGroup:
     def cotangent(self, side, other, aval, g, rest):
         (q, s), (group_sizes,) = other, rest
         ids = self._group_ids(group_sizes, g.shape[0])
-        q_g, s_g = quantize_rows_by_group(g, E5M2, ids, group_sizes.shape[0])
+        q_g, s_g = quantize_rows_by_group(g, self.gradient_format, ids, group_sizes.shape[0])
         found = _compat.matmul_cotangents(
             self._primitive, q_g, *_pair(side, aval, q), [group_sizes], self._accumulating, _F32, only=side
         )
@@ -254,12 +250,15 @@ def _free_and_flat(x: Any, contracting: Sequence[int], batch: Sequence[int], con
     return lax.reshape(lax.transpose(x, order), (*sizes, *tail)), [x.shape[d] for d in free]
 
 
-def blocked_dot(a: Any, b: Any, dimension_numbers: Any, block: int, mode: str, b_free_block: int = 1) -> Any:
+def blocked_dot(
+    a: Any, b: Any, dimension_numbers: Any, block: int, mode: str, b_free_block: int = 1, a_format: Any = E4M3
+) -> Any:
     """``dot_general(a, b)`` in e4m3 with a scale per block of `block` along the contraction.
 
     Each operand's entries are scaled per block of `block` consecutive
     contraction indices (and, for `b`, `b_free_block` of its free indices:
-    2D tiles), by `quantize_blocks` in `mode`. The float8 product runs per
+    2D tiles), by `quantize_blocks` in `mode`; `a` to `a_format` (a gradient
+    matmul's cotangent), `b` to e4m3. The float8 product runs per
     contraction block (a batch dimension of the emulated ``dot_general``,
     accumulating in float32), each block's partial product is rescaled by its
     two scales, and the blocks are summed: what a block-scaled float8 GEMM
@@ -271,7 +270,7 @@ def blocked_dot(a: Any, b: Any, dimension_numbers: Any, block: int, mode: str, b
     b2, b_free = _free_and_flat(b, bc, bb, contraction_last=False)  # [batch, K, G]
     batch = a2.shape[:nb]
     f, k, g = a2.shape[nb], a2.shape[nb + 1], b2.shape[nb + 1]
-    q_a, s_a = quantize_blocks(a2, nb + 1, block, mode)  # s_a: [batch, F, K/block]
+    q_a, s_a = quantize_blocks(a2, nb + 1, block, mode, fmt=a_format)  # s_a: [batch, F, K/block]
     free_axis = nb + 1 if b_free_block > 1 else None
     q_b, s_b = quantize_blocks(b2, nb, block, mode, free_axis, b_free_block)  # s_b: [batch, K/block, G/b_free_block]
     kb = k // block
@@ -336,6 +335,7 @@ class BlockScaled:
     params: dict
     out_dtype: Any
     mode: str
+    gradient_format: Any = E4M3
 
     @property
     def primitive(self) -> Any:
@@ -373,7 +373,7 @@ class BlockScaled:
         # (for the input's gradient) keeps its 2D tiles.
         (_, oc), (_, ob) = dims
         weight_block = self._weight_block(other, oc, ob) if side == "lhs" else 1
-        d = blocked_dot(g, other, dims, self.block, self.mode, weight_block)
+        d = blocked_dot(g, other, dims, self.block, self.mode, weight_block, self.gradient_format)
         return lax.transpose(d, order).astype(aval.dtype)
 
     @staticmethod
@@ -500,8 +500,11 @@ class PerShard:
     weight) keeps one scale across its shards, which must agree.
     """
 
-    def __init__(self, params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False):
+    def __init__(
+        self, params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False, gradient_format=E5M2
+    ):
         self.params, self.out_dtype, self.power_of_two = params, out_dtype, power_of_two
+        self.gradient_format = gradient_format
         self.avals = {"lhs": lhs_aval, "rhs": rhs_aval}
         (lc, rc), (lb, rb) = params["dimension_numbers"]
         self.order = {"lhs": sorted(lhs_blocks), "rhs": sorted(rhs_blocks)}
@@ -627,7 +630,9 @@ class PerShard:
         g = lax.transpose(g, tuple(int(i) for i in np.argsort(self.result_order)))
         kl, kr = self.counts["lhs"], self.counts["rhs"]
         nb = len(self.params["dimension_numbers"][1][0])
-        q_g, s_g = quantize_along(g, E5M2, [d for d in range(g.ndim) if not nb <= d < nb + kl + kr], self.power_of_two)
+        blocks = range(nb, nb + kl + kr)
+        contracted = [d for d in range(g.ndim) if d not in blocks]
+        q_g, s_g = quantize_along(g, self.gradient_format, contracted, self.power_of_two)
         shape, spec = self._blocked_layout(side)
         blocked = aval.update(shape=shape, dtype=_F32, sharding=NamedSharding(aval.sharding.mesh, P(*spec)))
         primitive = _compat.primitives_by_name()["dot_general"]
