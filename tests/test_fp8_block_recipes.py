@@ -224,3 +224,8 @@ def test_gradient_format_chooses_the_cotangent_dtype_of_every_gradient_matmul(sc
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     notes = str(jaxamp.explain(loss, compute_dtype=recipe)(w1, w2))
     assert f"backward {'e4m3' if want == E4M3 else 'e5m2'} x e4m3" in notes
+
+
+def test_gradient_format_rejects_other_names():
+    with pytest.raises(ValueError, match=r"gradient_format must be None, 'e4m3' or 'e5m2', got 'e6m1'"):
+        jaxamp.Fp8Recipe(gradient_format="e6m1")

@@ -95,6 +95,10 @@ class Fp8Recipe:
             out of float8 unless asked: both operands are activations, and
             one scale across all heads costs the heads with small values
             their precision.
+        grouped: run grouped matmuls (``lax.ragged_dot``, mixture-of-experts
+            layers) in float8, with a scale per group (expert) for each
+            operand and cotangent, as Transformer Engine's grouped
+            quantisation does. Default False.
         gradient_format: the float8 format of the cotangent in the gradient
             matmuls (the saved operands are e4m3): ``"e5m2"`` (wider range,
             Transformer Engine's HYBRID format) or ``"e4m3"`` (one more
@@ -103,15 +107,12 @@ class Fp8Recipe:
             recipe). Convolutions take one dtype on both sides, so their
             gradients run e4m3 x e4m3 whatever this says (``explain`` shows
             each matmul's formats).
-        grouped: run grouped matmuls (``lax.ragged_dot``, mixture-of-experts
-            layers) in float8, with a scale per group (expert) for each
-            operand and cotangent, as Transformer Engine's grouped
-            quantisation does. Default False.
 
     Raises:
         TypeError: a field of the wrong type.
-        ValueError: an unknown ``scaling``, a negative ``min_flops``, or a
-            ``min_contraction`` or ``gemm_multiple`` below 1.
+        ValueError: an unknown ``scaling`` or ``gradient_format``, a negative
+            ``min_flops``, a ``min_contraction`` or ``gemm_multiple`` below 1,
+            or ``power_of_two_scales=False`` with a block recipe.
     """
 
     scaling: str = "tensorwise"
@@ -153,7 +154,6 @@ class Fp8Recipe:
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"Fp8Recipe.{name} must be a bool, got {value!r} ({type(value).__name__}).")
-
 
     def gradient_dtype(self, primitive_name: str) -> np.dtype:
         """The cotangent's float8 dtype in the gradient matmuls of a `primitive_name` matmul.
