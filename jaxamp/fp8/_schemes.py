@@ -39,6 +39,17 @@ _F32 = np.dtype(jnp.float32)
 
 
 
+def _accumulating(params: dict) -> dict:
+    """A matmul's bind parameters, accumulating in float32."""
+    return dict(params, preferred_element_type=_F32)
+
+
+def _tangent_product(scheme: Any, side: str, t: Any, other: Any, rest: tuple = ()) -> Any:
+    """Forward mode's product: `side`'s tangent times the other operand, both in the compute dtype."""
+    pair = _pair(side, t.astype(scheme.out_dtype), other.astype(scheme.out_dtype))
+    return scheme.primitive.bind(*pair, *rest, **_accumulating(scheme.params)).astype(scheme.out_dtype)
+
+
 def _pair(side: str, own: Any, other: Any) -> tuple[Any, Any]:
     """``(lhs, rhs)`` from `side`'s operand and the other one."""
     return (own, other) if side == "lhs" else (other, own)
@@ -64,29 +75,24 @@ class Tensorwise:
     power_of_two: bool = False
     gradient_format: Any = E5M2
 
-    @property
-    def _accumulating(self) -> dict:
-        return dict(self.params, preferred_element_type=_F32)
 
     def quantize(self, side, x, rest):
         return quantize(x, E4M3, self.power_of_two)
 
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
-        out = self.primitive.bind(q_lhs, q_rhs, *rest, **self._accumulating)
+        out = self.primitive.bind(q_lhs, q_rhs, *rest, **_accumulating(self.params))
         return (out * (s_lhs * s_rhs)).astype(self.out_dtype)
 
     def tangent(self, side, other, t, rest):
         q, s = other
-        other = (lax.convert_element_type(q, _F32) * s).astype(self.out_dtype)
-        pair = _pair(side, t.astype(self.out_dtype), other)
-        return self.primitive.bind(*pair, *rest, **self._accumulating).astype(self.out_dtype)
+        return _tangent_product(self, side, t, lax.convert_element_type(q, _F32) * s, rest)
 
     def cotangent(self, side, other, aval, g, rest):
         q, s = other
         q_g, s_g = quantize(g, self.gradient_format, self.power_of_two)
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, aval, q), rest, self._accumulating, _F32, only=side
+            self.primitive, q_g, *_pair(side, aval, q), rest, _accumulating(self.params), _F32, only=side
         )
         # Integer operands (a ragged dot's group sizes) get no cotangent.
         return (_chosen(side, found) * (s_g * s)).astype(aval.dtype)
@@ -112,12 +118,9 @@ class Rowwise:
     gradient_format: Any = E5M2
 
     @property
-    def _primitive(self) -> Any:
+    def primitive(self) -> Any:
         return _compat.primitives_by_name()["dot_general"]
 
-    @property
-    def _accumulating(self) -> dict:
-        return dict(self.params, preferred_element_type=_F32)
 
     def _layout(self, lhs_ndim, rhs_ndim):
         (lc, rc), (lb, rb) = self.params["dimension_numbers"]
@@ -136,7 +139,7 @@ class Rowwise:
         lf, rf, batch, out_lf, out_rf = self._layout(lhs.ndim, rhs.ndim)
         q_lhs, s_lhs = quantize_along(lhs, E4M3, lc, self.power_of_two)
         q_rhs, s_rhs = quantize_along(rhs, E4M3, rc, self.power_of_two)
-        out = self._primitive.bind(q_lhs, q_rhs, **self._accumulating)
+        out = self.primitive.bind(q_lhs, q_rhs, **_accumulating(self.params))
         to_out_lhs = {**dict(zip(lb, batch)), **dict(zip(lf, out_lf))}
         to_out_rhs = {**dict(zip(rb, batch)), **dict(zip(rf, out_rf))}
         out = out * place(s_lhs, sorted(to_out_lhs), to_out_lhs, out.shape)
@@ -144,8 +147,7 @@ class Rowwise:
         return out.astype(self.out_dtype)
 
     def tangent(self, side, other, t, rest):
-        pair = _pair(side, t.astype(self.out_dtype), other)
-        return self._primitive.bind(*pair, **self._accumulating).astype(self.out_dtype)
+        return _tangent_product(self, side, t, other)
 
     def cotangent(self, side, other, aval, g, rest):
         (lc, rc), (lb, rb) = self.params["dimension_numbers"]
@@ -154,7 +156,7 @@ class Rowwise:
         if side == "rhs" and self.weight_gradient_hp:
             high = dict(self.params, preferred_element_type=np.dtype(self.out_dtype))
             g = g.astype(self.out_dtype)
-            found = _compat.matmul_cotangents(self._primitive, g, other, aval, (), high, only=side)
+            found = _compat.matmul_cotangents(self.primitive, g, other, aval, (), high, only=side)
             return found[1].astype(aval.dtype)
         if side == "lhs":  # contracts the cotangent's and the right operand's free dims
             g_contracted, g_to = tuple(out_rf), {**dict(zip(batch, lb)), **dict(zip(out_lf, lf))}
@@ -165,7 +167,7 @@ class Rowwise:
         q_g, s_g = quantize_along(g, self.gradient_format, g_contracted, self.power_of_two)
         q_other, s_other = quantize_along(other, E4M3, other_contracted, self.power_of_two)
         found = _compat.matmul_cotangents(
-            self._primitive, q_g, *_pair(side, aval, q_other), (), self._accumulating, _F32, only=side
+            self.primitive, q_g, *_pair(side, aval, q_other), (), _accumulating(self.params), _F32, only=side
         )
         d = _chosen(side, found) * place(s_g, sorted(g_to), g_to, aval.shape)
         return (d * place(s_other, sorted(other_to), other_to, aval.shape)).astype(aval.dtype)
@@ -187,12 +189,9 @@ class PerGroup:
     gradient_format: Any = E5M2
 
     @property
-    def _primitive(self) -> Any:
+    def primitive(self) -> Any:
         return _compat.primitives_by_name()["ragged_dot_general"]
 
-    @property
-    def _accumulating(self) -> dict:
-        return dict(self.params, preferred_element_type=_F32)
 
     @staticmethod
     def _group_ids(group_sizes, rows):
@@ -209,7 +208,7 @@ class PerGroup:
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs), (group_sizes,) = lhs, rhs, rest
         ids = self._group_ids(group_sizes, q_lhs.shape[0])
-        out = self._primitive.bind(q_lhs, q_rhs, group_sizes, **self._accumulating)
+        out = self.primitive.bind(q_lhs, q_rhs, group_sizes, **_accumulating(self.params))
         return (out * (s_lhs * s_rhs)[ids][:, None]).astype(self.out_dtype)
 
     def tangent(self, side, other, t, rest):
@@ -218,16 +217,14 @@ class PerGroup:
             scale = s[:, None, None]
         else:
             scale = s[self._group_ids(group_sizes, q.shape[0])][:, None]
-        other = (lax.convert_element_type(q, _F32) * scale).astype(self.out_dtype)
-        pair = _pair(side, t.astype(self.out_dtype), other)
-        return self._primitive.bind(*pair, group_sizes, **self._accumulating).astype(self.out_dtype)
+        return _tangent_product(self, side, t, lax.convert_element_type(q, _F32) * scale, rest)
 
     def cotangent(self, side, other, aval, g, rest):
         (q, s), (group_sizes,) = other, rest
         ids = self._group_ids(group_sizes, g.shape[0])
         q_g, s_g = quantize_rows_by_group(g, self.gradient_format, ids, group_sizes.shape[0])
         found = _compat.matmul_cotangents(
-            self._primitive, q_g, *_pair(side, aval, q), [group_sizes], self._accumulating, _F32, only=side
+            self.primitive, q_g, *_pair(side, aval, q), [group_sizes], _accumulating(self.params), _F32, only=side
         )
         scale = (s_g * s)[ids][:, None] if side == "lhs" else (s_g * s)[:, None, None]
         return (_chosen(side, found) * scale).astype(aval.dtype)
@@ -362,8 +359,7 @@ class BlockScaled:
         return out.astype(self.out_dtype)
 
     def tangent(self, side, other, t, rest):
-        pair = _pair(side, t.astype(self.out_dtype), other)
-        return self.primitive.bind(*pair, **dict(self.params, preferred_element_type=_F32)).astype(self.out_dtype)
+        return _tangent_product(self, side, t, other)
 
     def cotangent(self, side, other, aval, g, rest):
         (lc, rc), (lb, rb) = self.params["dimension_numbers"]
@@ -500,6 +496,10 @@ class PerShard:
     weight) keeps one scale across its shards, which must agree.
     """
 
+    @property
+    def primitive(self) -> Any:
+        return _compat.primitives_by_name()["dot_general"]
+
     def __init__(
         self, params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False, gradient_format=E5M2
     ):
@@ -601,8 +601,7 @@ class PerShard:
 
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
-        primitive = _compat.primitives_by_name()["dot_general"]
-        out = primitive.bind(self._with_front("lhs", q_lhs), self._with_front("rhs", q_rhs), **self.blocked_params)
+        out = self.primitive.bind(self._with_front("lhs", q_lhs), self._with_front("rhs", q_rhs), **self.blocked_params)
         for side, s in (("lhs", s_lhs), ("rhs", s_rhs)):
             dims = self.block_dims[side]
             out = out * place(s, range(len(dims)), dict(enumerate(dims)), out.shape)
@@ -617,10 +616,7 @@ class PerShard:
         return self._merge(side, x)
 
     def tangent(self, side, other, t, rest):
-        other = self._dequantized(OTHER_SIDE[side], other).astype(self.out_dtype)
-        primitive = _compat.primitives_by_name()["dot_general"]
-        accumulating = dict(self.params, preferred_element_type=_F32)
-        return primitive.bind(*_pair(side, t.astype(self.out_dtype), other), **accumulating).astype(self.out_dtype)
+        return _tangent_product(self, side, t, self._dequantized(OTHER_SIDE[side], other))
 
     def cotangent(self, side, other, aval, g, rest):
         q_other, s_other = other
@@ -635,9 +631,8 @@ class PerShard:
         q_g, s_g = quantize_along(g, self.gradient_format, contracted, self.power_of_two)
         shape, spec = self._blocked_layout(side)
         blocked = aval.update(shape=shape, dtype=_F32, sharding=NamedSharding(aval.sharding.mesh, P(*spec)))
-        primitive = _compat.primitives_by_name()["dot_general"]
         found = _compat.matmul_cotangents(
-            primitive, q_g, *_pair(side, blocked, self._with_front(other_side, q_other)), (), self.blocked_params,
+            self.primitive, q_g, *_pair(side, blocked, self._with_front(other_side, q_other)), (), self.blocked_params,
             _F32, only=side,
         )
         d = _chosen(side, found)
