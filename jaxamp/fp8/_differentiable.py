@@ -7,8 +7,8 @@ straight-through one (quantisation counted as the identity):
 
 * The tangent of the product is ``tangent(lhs side) + tangent(rhs side)``,
   each a `jax.custom_derivatives.linear_call`: linear in its tangent, with
-  the other operand's quantised copy (scales under `stop_gradient`) as its
-  residual and the scheme's float8 gradient matmul as its transpose. So
+  the other operand's quantised copy as its residual (taken through
+  `_first_order_only`) and the scheme's float8 gradient matmul as its transpose. So
   `jax.grad` saves the float8 operands and runs the gradient matmuls on a
   float8 cotangent (e5m2 for the tensorwise recipe), as a `jax.custom_vjp`
   would; `jax.jvp`, `jax.linearize` and `jax.jacfwd` run the scheme's tangent
@@ -44,7 +44,15 @@ class Scheme(Protocol):
 
     `side` is ``"lhs"`` or ``"rhs"``; `rest` the matmul's operands after the
     two it multiplies (a ragged dot's group sizes), never differentiated.
+
+    Attributes:
+        primitive, params: the matmul primitive and its bind parameters.
+        out_dtype: the dtype the product is handed on in (amp's compute dtype).
     """
+
+    primitive: Any
+    params: dict
+    out_dtype: Any
 
     def quantize(self, side: str, x: Any, rest: tuple) -> Any:
         """The residual of operand `x`: what the product and the other side's derivatives need."""

@@ -53,6 +53,7 @@ from ._differentiable import differentiable_matmul, tangent_product
 from ._quantize import E4M3, quantize
 from ._recipe import BLOCK_SCALINGS, Fp8Recipe
 from ._schemes import (
+    BLOCK_SIZE,
     BlockScaled,
     PerGroup,
     PerShard,
@@ -287,7 +288,17 @@ def _why_not_blocked(eqn: Any, lhs: Any, rhs: Any, scaling: str) -> str:
     """Why a ``dot_general`` cannot take `scaling`'s blocks (it then runs tensorwise), or ``""``."""
     if _compat.explicit_shards(lhs) or _compat.explicit_shards(rhs):
         return "an operand split over an Explicit mesh, where block scaling is not built (tensorwise, per shard)"
-    return BlockScaled.supports(eqn, 32 if scaling == "mxfp8" else 128)
+    # Every product's contraction must hold whole blocks: the forward one's,
+    # the input gradient's (output features) and the weight gradient's (rows).
+    block = BLOCK_SIZE[scaling]
+    (contracting, _), (batch, _) = eqn.params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    rows = math.prod(n for d, n in enumerate(shape) if d not in (*contracting, *batch))
+    sizes = (("contraction", contraction_size(eqn)), ("output features", output_features(eqn)), ("rows", rows))
+    for what, size in sizes:
+        if size % block:
+            return f"{what} {size} is not a multiple of the block size {block}"
+    return ""
 
 
 def with_fp8_matmuls(table: Mapping[Any, Rule], recipe: Fp8Recipe) -> PolicyTable:

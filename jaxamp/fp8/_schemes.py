@@ -31,12 +31,14 @@ from ._differentiable import OTHER_SIDE
 from ._quantize import E4M3, E5M2, place, quantize, quantize_along, quantize_blocks, quantize_rows_by_group
 
 __all__ = [
-    "BlockScaled", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "blocked_dot", "shard_axes",
+    "BLOCK_SIZE", "BlockScaled", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "blocked_dot", "shard_axes",
     "sharded_free_dims",
 ]
 
 _F32 = np.dtype(jnp.float32)
 
+BLOCK_SIZE = {"mxfp8": 32, "blockwise": 128}
+"""The block length along the contraction of each block recipe."""
 
 
 def _accumulating(params: dict) -> dict:
@@ -64,9 +66,9 @@ class Tensorwise:
     """One scale per operand and per cotangent; float8 residuals.
 
     Forward e4m3 x e4m3 accumulating in float32; gradients take the cotangent
-    in `gradient_format` (`Fp8Recipe.gradient_dtype`) against the saved e4m3 operands, through
-    JAX's own transposes at the operands' types (so their dimension numbers,
-    paddings, feature groups and shardings are JAX's).
+    in `gradient_format` (`Fp8Recipe.gradient_dtype`) against the saved e4m3
+    operands, through JAX's own transposes at the operands' types (so their
+    dimension numbers, paddings, feature groups and shardings are JAX's).
     """
 
     primitive: Any
@@ -74,7 +76,6 @@ class Tensorwise:
     out_dtype: Any
     power_of_two: bool = False
     gradient_format: Any = E5M2
-
 
     def quantize(self, side, x, rest):
         return quantize(x, E4M3, self.power_of_two)
@@ -121,11 +122,9 @@ class Rowwise:
     def primitive(self) -> Any:
         return _compat.primitives_by_name()["dot_general"]
 
-
     def _layout(self, lhs_ndim, rhs_ndim):
         (lc, rc), (lb, rb) = self.params["dimension_numbers"]
-        lf = [d for d in range(lhs_ndim) if d not in (*lc, *lb)]
-        rf = [d for d in range(rhs_ndim) if d not in (*rc, *rb)]
+        lf, rf = _free_dims(lhs_ndim, lc, lb), _free_dims(rhs_ndim, rc, rb)
         batch, out_lf = range(len(lb)), range(len(lb), len(lb) + len(lf))
         out_rf = range(len(lb) + len(lf), len(lb) + len(lf) + len(rf))
         return lf, rf, batch, out_lf, out_rf
@@ -340,7 +339,7 @@ class BlockScaled:
 
     @property
     def block(self) -> int:
-        return 32 if self.mode == "mxfp8" else 128
+        return BLOCK_SIZE[self.mode]
 
     def _weight_block(self, weight: Any, contracting: Sequence[int], batch: Sequence[int]) -> int:
         if self.mode != "blockwise":
@@ -353,7 +352,7 @@ class BlockScaled:
         return x.astype(self.out_dtype)
 
     def product(self, lhs, rhs, rest):
-        (lc, rc), (lb, rb) = self.params["dimension_numbers"]
+        (_, rc), (_, rb) = self.params["dimension_numbers"]
         weight_block = self._weight_block(rhs, rc, rb)
         out = blocked_dot(lhs, rhs, self.params["dimension_numbers"], self.block, self.mode, weight_block)
         return out.astype(self.out_dtype)
@@ -362,7 +361,6 @@ class BlockScaled:
         return _tangent_product(self, side, t, other)
 
     def cotangent(self, side, other, aval, g, rest):
-        (lc, rc), (lb, rb) = self.params["dimension_numbers"]
         lhs_ndim, rhs_ndim = _pair(side, aval.ndim, other.ndim)
         dims, order = _gradient_dims(self.params["dimension_numbers"], side, lhs_ndim, rhs_ndim)
         # The other operand is the gradient matmul's right one: the weight
@@ -371,21 +369,6 @@ class BlockScaled:
         weight_block = self._weight_block(other, oc, ob) if side == "lhs" else 1
         d = blocked_dot(g, other, dims, self.block, self.mode, weight_block, self.gradient_format)
         return lax.transpose(d, order).astype(aval.dtype)
-
-    @staticmethod
-    def supports(eqn: Any, block: int) -> str:
-        """Why `eqn` cannot run with blocks of `block` along every product's contraction, or ``""``."""
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-        sizes = {
-            "contraction": int(np.prod([lhs[d] for d in lc], dtype=int)),
-            "output features": int(np.prod([rhs[d] for d in _free_dims(len(rhs), rc, rb)], dtype=int)),
-            "rows": int(np.prod([lhs[d] for d in _free_dims(len(lhs), lc, lb)], dtype=int)),
-        }
-        for what, size in sizes.items():
-            if size % block:
-                return f"{what} {size} is not a multiple of the block size {block}"
-        return ""
 
 
 # --- scales per shard -----------------------------------------------------------
@@ -625,8 +608,7 @@ class PerShard:
         g = lax.reshape(lax.convert_element_type(g, _F32), self.g_shape, out_sharding=self.g_spec)
         g = lax.transpose(g, tuple(int(i) for i in np.argsort(self.result_order)))
         kl, kr = self.counts["lhs"], self.counts["rhs"]
-        nb = len(self.params["dimension_numbers"][1][0])
-        blocks = range(nb, nb + kl + kr)
+        blocks = (*self.block_dims["lhs"], *self.block_dims["rhs"])
         contracted = [d for d in range(g.ndim) if d not in blocks]
         q_g, s_g = quantize_along(g, self.gradient_format, contracted, self.power_of_two)
         shape, spec = self._blocked_layout(side)
@@ -650,7 +632,6 @@ class PerShard:
         d = d * place(s_other, range(k_front), {j: j for j in range(k_front)}, d.shape)
         d = lax.reduce_sum(d, tuple(range(k_front))) if k_front else d
         return self._merge(side, d).astype(aval.dtype)
-
 
 
 def _blocked_out_sharding(out_sharding, lb, l_free, r_free, lhs_order, rhs_order):
