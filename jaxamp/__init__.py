@@ -114,6 +114,11 @@ __all__ += [
     "find_nonfinite",
 ]
 
+# The numerics monitor
+from .monitoring import MonitorStats, monitor
+
+__all__ += ["MonitorStats", "monitor"]
+
 from . import optim, sharding  # noqa: E402  (jaxamp.optim, jaxamp.sharding after `import jaxamp`)
 
 __all__ += ["optim", "sharding"]

@@ -63,15 +63,20 @@ __all__ = [
     "eager_trace_context",
     "eqn_scopes",
     "eqn_source",
+    "eqn_transposed",
     "eqn_user_frame",
     "frame_line",
+    "is_differentiation_tracer",
     "is_zero",
+    "jit_params_with_extra_outputs",
     "jaxpr_as_fun",
     "jit_p",
     "lax_op_catalogue",
     "lax_primitives_by_name",
     "legacy_context_mesh",
+    "linear_call_p",
     "manual_axes",
+    "mark_varying",
     "matmul_cotangents",
     "nnx_flatten",
     "nnx_is_object",
@@ -86,6 +91,7 @@ __all__ = [
     "scan_p",
     "scan_params_with_extra_consts",
     "shard_map_body",
+    "shard_map_mesh_axes",
     "shard_map_p",
     "tangent_aval",
     "trace_keeping_calls",
@@ -172,6 +178,8 @@ cond_p = _prims.cond_p
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
 
+from jax._src.custom_derivatives import linear_call_p  # noqa: E402  (not part of jax.extend)
+
 try:  # shard_map_p is not (yet) part of jax.extend.
     from jax._src.shard_map import shard_map_p
 except ImportError:  # pragma: no cover - very old layouts
@@ -206,6 +214,14 @@ def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
     ``jax.jit`` records only the scopes opened inside it.
     """
     return _scope_names(eqn.source_info.name_stack)
+
+
+def eqn_transposed(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` belongs to a backward pass: JAX's transpose marked its name stack."""
+    return any(
+        isinstance(entry, _source_info.Transform) and entry.name == "transpose"
+        for entry in eqn.source_info.name_stack.stack
+    )
 
 
 def ambient_scopes() -> tuple[str, ...]:
@@ -431,21 +447,60 @@ def scan_params_with_extra_consts(params: dict, jaxpr: ClosedJaxpr, num_extra: i
 
 
 @_internal
-def shard_map_body(eqn_params: dict, body: Callable) -> dict:
+def shard_map_body(eqn_params: dict, body: Callable, extra_out_specs: Callable[[], Sequence[Any]] = tuple) -> dict:
     """Bind parameters for `shard_map_p` whose body runs ``body(*args) -> outs``.
 
     `shard_map_p.get_bind_params` turns the stored jaxpr into a sub-function
     returning a `FlatTree` tagged with the output specs; we swap in our own body
     with the same return convention (`body` is only called later, by JAX).
+    `extra_out_specs()`, asked after `body` has run, gives the specs of the
+    outputs `body` returns after the equation's own.
     """
     params = shard_map_p.get_bind_params(eqn_params)
-    out_specs = eqn_params["out_specs"]
 
     def run(*args):
-        return _flatten_tree(list(body(*args))).with_aux(out_specs)
+        outs = list(body(*args))
+        return _flatten_tree(outs).with_aux((*eqn_params["out_specs"], *extra_out_specs()))
 
     params["subfuns"] = (run,)
     return params
+
+
+@_internal
+def jit_params_with_extra_outputs(params: dict, jaxpr: ClosedJaxpr, num_extra: int) -> dict:
+    """`jit_p` parameters for `jaxpr`, which returns `num_extra` outputs after the equation's own."""
+    from jax._src.sharding_impls import UNSPECIFIED
+
+    return dict(
+        params,
+        jaxpr=jaxpr,
+        out_shardings=(*params["out_shardings"], *(UNSPECIFIED,) * num_extra),
+        out_layouts=(*params["out_layouts"], *(None,) * num_extra),
+    )
+
+
+@_internal
+def shard_map_mesh_axes(eqn_params: dict) -> tuple[tuple[Any, int], ...]:
+    """``((name, size), ...)`` of the mesh axes a `shard_map` equation makes manual (runs per device over)."""
+    mesh = eqn_params["mesh"]
+    # 0.11 renamed ``manual_axes`` to ``newly_manual_axes``.
+    manual = eqn_params["newly_manual_axes" if "newly_manual_axes" in eqn_params else "manual_axes"]
+    return tuple((name, size) for name, size in mesh.shape.items() if name in manual)
+
+
+def mark_varying(x: Any, axes: Sequence[Any]) -> Any:
+    """`x` typed as varying over the manual `axes` (a no-op where types carry no varying axes)."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    if not missing or not tracks_varying_axes():
+        return x
+    return jax.lax.pcast(x, missing, to="varying")
+
+
+def is_differentiation_tracer(x: Any) -> bool:
+    """Whether `x` is being differentiated (a JVP or linearize tracer)."""
+    from jax._src.interpreters import ad
+
+    return isinstance(x, (ad.JVPTracer, getattr(ad, "LinearizeTracer", ad.JVPTracer)))
 
 
 @_internal

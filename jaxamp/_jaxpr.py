@@ -8,12 +8,22 @@ program.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from . import _compat
 
-__all__ = ["COMPUTE_PRIMITIVES", "MATMUL_NAMES", "bodies", "equation_flops", "holds_matmul", "matmuls_in", "merge_runs"]
+__all__ = [
+    "COMPUTE_PRIMITIVES",
+    "MATMUL_NAMES",
+    "bodies",
+    "equation_flops",
+    "holds_matmul",
+    "matmuls_in",
+    "merge_runs",
+    "source_label",
+]
 
 # The primitives amp runs in the compute dtype: matmuls, convolutions and the
 # grouped matmul of mixture-of-experts layers.
@@ -97,3 +107,17 @@ def equation_flops(eqn: Any) -> int:
         # Each output element is a dot over (input features / groups) x window.
         return 2 * math.prod(out) * math.prod(kernel) // kernel[out_feature_dim]
     return 0
+
+
+def source_label(eqn: Any, call_sites: Iterable[Any] = ()) -> str | None:
+    """``"file.py:12 (function)"``: the user line that emitted `eqn`, or None.
+
+    An equation inside a ``jax.numpy`` function's jit'd body has no user line
+    of its own; it gets the innermost enclosing call's (`call_sites`,
+    outermost first), as when JAX inlines that body.
+    """
+    for site in (eqn, *reversed(tuple(call_sites))):
+        frame = _compat.eqn_user_frame(site)
+        if frame is not None:
+            return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+    return None

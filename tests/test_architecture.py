@@ -27,6 +27,7 @@ LAYER_OF = {
     "policies": "policies",
     "optim": "optim",
     "sharding": "sharding",
+    "monitoring": "monitoring",
     "_options": "options",
     "_eager_cache": "entry",
     "_amp": "entry",
@@ -42,6 +43,7 @@ MAY_IMPORT = {
     "policies": {"ground"},
     "optim": {"ground"},
     "sharding": {"ground"},
+    "monitoring": {"ground"},
     "options": {"ground", "analyses", "transform", "fp8", "policies"},
     "entry": set(LAYER_OF.values()),
 }

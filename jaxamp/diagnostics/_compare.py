@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +35,7 @@ import numpy as np
 from .. import _compat
 from .._casting import cast_value, dtype_of
 from .._dtypes import dtype_short_name, is_castable
+from .._jaxpr import source_label
 from .._options import AmpOptions
 from ..transform._interpreter import EquationEvent
 from ._explain import _check_callable
@@ -208,10 +208,9 @@ def _sqnr(reference: Sequence[Any], approximate: Sequence[Any]) -> float:
 
 
 def _group(event: EquationEvent) -> str:
-    frame = event.user_frame
-    if event.scopes or frame is None:
-        return "/".join(event.scopes) or event.eqn.primitive.name
-    return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
+    if event.scopes:
+        return "/".join(event.scopes)
+    return source_label(event.eqn, event.call_sites) or event.eqn.primitive.name
 
 
 def _arrive(value: Any, dtype: Any) -> Any:
