@@ -115,10 +115,17 @@ __all__ += [
 ]
 
 # The numerics monitor
-from .monitoring import MonitorStats, monitor
+from .monitoring import (
+    MonitorRecorder,
+    MonitorStats,
+    PolicySuggestion,
+    monitor,
+    monitor_report,
+    suggest_policy,
+)
 
-__all__ += ["MonitorStats", "monitor"]
+__all__ += ["MonitorRecorder", "MonitorStats", "PolicySuggestion", "monitor", "monitor_report", "suggest_policy"]
 
-from . import optim, sharding  # noqa: E402  (jaxamp.optim, jaxamp.sharding after `import jaxamp`)
+from . import monitoring, optim, sharding  # noqa: E402  (jaxamp.monitoring, jaxamp.optim, jaxamp.sharding after `import jaxamp`)
 
-__all__ += ["optim", "sharding"]
+__all__ += ["monitoring", "optim", "sharding"]

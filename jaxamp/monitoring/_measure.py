@@ -9,13 +9,14 @@ the magnitudes, sums for the counts (`combine`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["FIELDS", "LOSS_SCALE_EXPONENTS", "combine", "is_low_precision", "measure"]
+__all__ = ["FIELDS", "LOSS_SCALE_EXPONENTS", "combine", "derived", "headroom_bits", "is_low_precision", "measure"]
 
 # The smallest normal of float16 is 2^-14. A backward value below
 # 2^(-14 - e) is one that a loss scale of 2^e would still leave below
@@ -31,7 +32,7 @@ FIELDS = (
     "underflow",  # finite nonzero entries below the smallest normal of the dtype stored in
     "above",  # finite entries above max(dtype) / 2**headroom_bits
     "nonfinite",  # inf and NaN entries
-    *(f"below_2^-{14 + e}" for e in LOSS_SCALE_EXPONENTS),  # backward values only (0 forward)
+    *(f"below_2^-{14 + e}" for e in LOSS_SCALE_EXPONENTS),  # finite nonzero entries below 2^-(14 + e)
 )
 NUM_MAX_FIELDS = 3  # amax, source_amax, scale combine by maximum; the rest are counts
 _F32 = np.dtype(np.float32)
@@ -43,15 +44,12 @@ def is_low_precision(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 2
 
 
-def measure(
-    x: Any, headroom_bits: float, backward: bool, source: Any = None, scale: Any = None
-) -> Any:
+def measure(x: Any, headroom_bits: float, source: Any = None, scale: Any = None) -> Any:
     """The `FIELDS` vector of one observation of `x` (float32, shape ``(len(FIELDS),)``).
 
     Args:
         x: a floating array; "underflow" and "above" are relative to its dtype.
         headroom_bits: "above" counts entries above ``max(dtype) / 2**headroom_bits``.
-        backward: whether `x` is a cotangent (fills the loss-scale counts).
         source, scale: for a float8 operand, the value it quantises and its scale.
     """
     dtype = np.dtype(x.dtype)
@@ -71,9 +69,8 @@ def measure(
         nonzero & (magnitude < _bits_below(float(info.smallest_normal), dtype)),
         finite & (magnitude > _bits_at_most(float(info.max) / 2.0**headroom_bits, dtype)),
         ~finite,
+        *(nonzero & (magnitude < _bits_below(2.0 ** (-14 - e), dtype)) for e in LOSS_SCALE_EXPONENTS),
     ]
-    if backward:
-        flags += [nonzero & (magnitude < _bits_below(2.0 ** (-14 - e), dtype)) for e in LOSS_SCALE_EXPONENTS]
     # One variadic reduction: XLA reads `x` once for every field (separate
     # reductions cost about seven times as much on CPU).
     operands = [lax.select(finite, magnitude, lax.full_like(magnitude, 0))]
@@ -86,8 +83,6 @@ def measure(
     reduced = lax.reduce(tuple(operands), tuple(inits), add, tuple(range(x.ndim)))
     amax = lax.convert_element_type(lax.bitcast_convert_type(reduced[0], dtype), _F32)
     counts = [lax.convert_element_type(c, _F32) for c in reduced[1:]]
-    if not backward:
-        counts += [np.float32(0)] * len(LOSS_SCALE_EXPONENTS)
     fp8 = [np.float32(0), np.float32(0)]
     if source is not None:
         scale32 = lax.convert_element_type(scale, _F32)
@@ -127,3 +122,34 @@ def combine(vectors: Any, axis: int = 0) -> Any:
     maxima = jnp.max(lax.slice_in_dim(vectors, 0, NUM_MAX_FIELDS, axis=vectors.ndim - 1), axis=axis)
     sums = jnp.sum(lax.slice_in_dim(vectors, NUM_MAX_FIELDS, len(FIELDS), axis=vectors.ndim - 1), axis=axis)
     return jnp.concatenate([maxima, sums], axis=-1)
+
+
+def headroom_bits(amax: float, dtype: Any) -> float:
+    """log2 of `dtype`'s largest finite value over `amax` (inf for an all-zero value)."""
+    return math.log2(float(jnp.finfo(dtype).max) / amax) if amax > 0 else math.inf
+
+
+def derived(row: dict[str, Any]) -> dict[str, Any]:
+    """The figures read off a site's fields (a dict with `FIELDS`, ``dtype`` and ``direction``).
+
+    ``headroom_bits`` (against the dtype the value is stored in),
+    ``underflow_fraction`` (of nonzero entries, below the smallest normal of
+    the dtype stored in), ``above_fraction`` (of entries),
+    ``float16_underflow_fraction`` (of nonzero entries, below float16's
+    smallest normal, whatever the dtype) and, for cotangents,
+    ``underflow_at_scale``: per exponent ``e`` of `LOSS_SCALE_EXPONENTS`, the
+    fraction of nonzero entries that a loss scale of ``2^e`` would leave
+    below float16's smallest normal.
+    """
+    nonzero = row["nonzero"]
+    figures: dict[str, Any] = dict(
+        headroom_bits=headroom_bits(row["amax"], row["dtype"]),
+        underflow_fraction=row["underflow"] / nonzero if nonzero else 0.0,
+        above_fraction=row["above"] / row["values"] if row["values"] else 0.0,
+        float16_underflow_fraction=row["below_2^-14"] / nonzero if nonzero else 0.0,
+    )
+    if row["direction"] == "backward":
+        figures["underflow_at_scale"] = {
+            e: (row[f"below_2^-{14 + e}"] / nonzero if nonzero else 0.0) for e in LOSS_SCALE_EXPONENTS
+        }
+    return figures

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
-from ._measure import FIELDS, LOSS_SCALE_EXPONENTS
+from ._measure import FIELDS, derived
 from ._walk import Site, walk
 
 __all__ = ["MonitorStats", "monitor"]
@@ -36,9 +36,9 @@ class MonitorStats:
             nonzero entries, those below the smallest normal of the dtype the
             value is stored in (``underflow``), those above
             ``max(dtype) / 2**headroom_bits`` (``above``), inf/NaN entries
-            (``nonfinite``), and for cotangents the nonzero entries below
-            ``2^-14``, ``2^-20``, ``2^-26``, ``2^-32`` (float16's smallest
-            normal under loss scales 1, 2^6, 2^12, 2^18). A site inside a loop
+            (``nonfinite``), and the nonzero entries below ``2^-14``,
+            ``2^-20``, ``2^-26``, ``2^-32`` (float16's smallest normal, and
+            for cotangents the same under loss scales 2^6, 2^12, 2^18). A site inside a loop
             or a `shard_map` body combines its iterations and devices.
         sites: what each row measures (`jaxamp.monitor`'s `Site`).
         headroom_bits: the threshold the ``above`` counts used.
@@ -54,11 +54,13 @@ class MonitorStats:
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per site, on the host: the site's description, its raw
-        fields and the derived figures ``headroom_bits`` (log2 of the stored
-        dtype's largest finite value over amax; inf for an all-zero value),
-        ``underflow_fraction`` (of nonzero entries), ``above_fraction`` (of
-        entries) and, for cotangents, ``underflow_at_scale`` (the fraction
-        of nonzero entries below float16's range at each loss scale 2^e)."""
+        fields and the figures `jaxamp.monitoring._measure.derived` reads off
+        them: ``headroom_bits`` (log2 of the stored dtype's largest finite
+        value over amax; inf for an all-zero value), ``underflow_fraction``
+        (of nonzero entries), ``above_fraction`` (of entries),
+        ``float16_underflow_fraction`` and, for cotangents,
+        ``underflow_at_scale`` (the fraction of nonzero entries below
+        float16's smallest normal at each loss scale 2^e)."""
         vectors = np.asarray(jax.device_get(self.vectors), dtype=np.float64)
         return [_row(site, vector) for site, vector in zip(self.sites, vectors.reshape(-1, len(FIELDS)))]
 
@@ -67,21 +69,11 @@ class MonitorStats:
 
 
 def _row(site: Site, vector: np.ndarray) -> dict[str, Any]:
-    raw = dict(zip(FIELDS, (float(v) for v in vector)))
-    amax, nonzero = raw["amax"], raw["nonzero"]
-    fmax = float(jnp.finfo(site.dtype).max)
     row: dict[str, Any] = dict(
         direction=site.direction, scope=site.scope, name=site.name, kind=site.kind, dtype=site.dtype, fp8=site.fp8,
-        **raw,
-        headroom_bits=math.log2(fmax / amax) if amax > 0 else math.inf,
-        underflow_fraction=raw["underflow"] / nonzero if nonzero else 0.0,
-        above_fraction=raw["above"] / raw["values"] if raw["values"] else 0.0,
+        handed_in=site.handed_in, **dict(zip(FIELDS, (float(v) for v in vector))),
     )  # fmt: skip
-    if site.direction == "backward":
-        row["underflow_at_scale"] = {
-            e: (raw[f"below_2^-{14 + e}"] / nonzero if nonzero else 0.0) for e in LOSS_SCALE_EXPONENTS
-        }
-    return row
+    return row | derived(row)
 
 
 def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callable:

@@ -51,6 +51,9 @@ class Site:
             relative to it).
         fp8: the value is a float8 matmul operand (``source_amax`` and
             ``scale`` are measured).
+        handed_in: the value is a matmul operand another scope made (and
+            handed on): the report and `suggest_policy` judge a scope by
+            the values it makes, so an operand is its maker's doing.
     """
 
     direction: str
@@ -58,6 +61,7 @@ class Site:
     name: str
     dtype: str
     fp8: bool = False
+    handed_in: bool = False
 
     @property
     def kind(self) -> str:
@@ -103,6 +107,7 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
     paths = [ctx.scopes + _compat.eqn_scopes(eqn) for eqn in jaxpr.eqns]
     handed_on = _handed_on(jaxpr, paths, ctx.scopes)
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    made_in = {v: _user_scopes(path) for eqn, path in zip(jaxpr.eqns, paths) for v in eqn.outvars}
     taps: Taps = []
 
     def read(v):
@@ -111,7 +116,7 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
     for eqn, path in zip(jaxpr.eqns, paths):
         backward = ctx.backward or _compat.eqn_transposed(eqn)
         recompute = ctx.recompute or (backward and _RECOMPUTE in path)
-        path = tuple(s for s in path if s != _RECOMPUTE)
+        path = _user_scopes(path)
         direction = "backward" if backward else "forward"
         invals = [read(v) for v in eqn.invars]
         handler = _HANDLERS.get(eqn.primitive)
@@ -140,15 +145,21 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
                 x = read(_before_pvary(v, producers))
                 source = _fp8_source(v, producers, read)
                 name = f"{eqn.primitive.name}[{k}].{role}"
-                site = Site(direction, scope, name, np.dtype(x.dtype).name, source is not None)
-                taps.append((site, measure(x, state.headroom_bits, backward, *(source or ()))))
+                made = made_in.get(v) if not isinstance(v, _compat.Literal) else None
+                handed_in = made is not None and made[: len(path)] != path
+                site = Site(direction, scope, name, np.dtype(x.dtype).name, source is not None, handed_in)
+                taps.append((site, measure(x, state.headroom_bits, *(source or ()))))
                 measured.add(v)
         for v in eqn.outvars:
             if v in handed_on and v not in measured:
                 k = state.number(direction, scope, "output")
                 site = Site(direction, scope, f"output[{k}]", np.dtype(v.aval.dtype).name)
-                taps.append((site, measure(env[v], state.headroom_bits, backward)))
+                taps.append((site, measure(env[v], state.headroom_bits)))
     return [read(v) for v in jaxpr.outvars], taps
+
+
+def _user_scopes(path: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(s for s in path if s != _RECOMPUTE)
 
 
 def _is_floating(aval: Any) -> bool:
@@ -160,13 +171,13 @@ def _handed_on(jaxpr: Any, paths: list[tuple[str, ...]], outer: tuple[str, ...])
     """Floating values made inside a named scope and read outside it (or returned)."""
     made_in = {}
     for eqn, path in zip(jaxpr.eqns, paths):
-        path = tuple(s for s in path if s != _RECOMPUTE)
+        path = _user_scopes(path)
         if len(path) > len(outer):
             for v in eqn.outvars:
                 if not isinstance(v, _compat.DropVar) and _is_floating(v.aval):
                     made_in[v] = path
     handed = set()
-    readers = [(eqn.invars, tuple(s for s in p if s != _RECOMPUTE)) for eqn, p in zip(jaxpr.eqns, paths)]
+    readers = [(eqn.invars, _user_scopes(p)) for eqn, p in zip(jaxpr.eqns, paths)]
     readers.append((jaxpr.outvars, outer))
     for invars, path in readers:
         for v in invars:
