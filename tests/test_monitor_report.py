@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.array import ArrayImpl  # to count reads (see the first test)
 
 import jaxamp
-from jax._src.array import ArrayImpl  # to count reads (see the first test)
 
 WIDTH = 16
 
