@@ -132,11 +132,14 @@ class Block(eqx.Module):
 
     def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
         b, t, d = x.shape
-        q, k, v = jnp.split(self.qkv(_per_token(self.ln1, x)), 3, axis=-1)
-        split_heads = lambda y: y.reshape(b, t, self.n_heads, d // self.n_heads)  # noqa: E731
-        attended = causal_attention(split_heads(q), split_heads(k), split_heads(v))
-        x = x + self.proj(attended.reshape(b, t, d))
-        return x + self.out(jax.nn.gelu(self.fc(_per_token(self.ln2, x))))
+        # Named scopes: what `jaxamp.monitor` and `jaxamp.compare` report by.
+        with jax.named_scope("attention"):
+            q, k, v = jnp.split(self.qkv(_per_token(self.ln1, x)), 3, axis=-1)
+            split_heads = lambda y: y.reshape(b, t, self.n_heads, d // self.n_heads)  # noqa: E731
+            attended = causal_attention(split_heads(q), split_heads(k), split_heads(v))
+            x = x + self.proj(attended.reshape(b, t, d))
+        with jax.named_scope("mlp"):
+            return x + self.out(jax.nn.gelu(self.fc(_per_token(self.ln2, x))))
 
 
 class GPT(eqx.Module):
@@ -184,7 +187,8 @@ class GPT(eqx.Module):
             n_layers = jax.tree_util.tree_leaves(self.blocks)[0].shape[0]
             for i in range(n_layers):
                 x, _ = layer(x, jax.tree_util.tree_map(lambda w: w[i], self.blocks))
-        return _per_token(self.ln_f, x) @ self.embed.T
+        with jax.named_scope("lm_head"):
+            return _per_token(self.ln_f, x) @ self.embed.T
 
 
 def cross_entropy(logits: Float[Array, "... n"], labels: Int[Array, "..."]) -> Float[Array, ""]:

@@ -14,11 +14,18 @@ By default two runs start from the same weights and see the same batches; the
 only difference is ``jaxamp.amp(loss, compute_dtype="bf16")``. ``--modes`` picks
 other runs: ``amp fp8`` runs the matmuls in float8 (`jaxamp.Fp8Recipe`'s
 current scaling; float8 is emulated on CPU, so it is slower there), ``amp fp8
-rowwise``, ``amp fp8 mxfp8`` and ``amp fp8 blockwise`` with those scaling recipes; the ``bf16 ...`` modes also store the parameters and AdamW's state
+rowwise``, ``amp fp8 mxfp8`` and ``amp fp8 blockwise`` with those scaling
+recipes; the ``bf16 ...`` modes also store the parameters and AdamW's state
 in bfloat16 with `jaxamp.optim` (see `benchmarks.optimizer_memory.PRECISIONS`),
 rounding stochastically, with a Kahan buffer, or to nearest. Every
 ``--print-every`` steps the training and validation losses are printed next to
 each other, and at the end each model continues a few prompts.
+
+``--monitor DIR`` runs the amp modes' steps under `jaxamp.monitor` and records
+their numerics every ``--monitor-every`` steps (`jaxamp.MonitorRecorder`):
+at the end each run's report (``DIR/<mode>.html`` and ``.png``: headroom and
+underflow of every scope over the steps, worst first) is written and the
+policy `jaxamp.suggest_policy` reads off the records is printed.
 """
 
 from __future__ import annotations
@@ -84,11 +91,14 @@ def sample_batch(data: np.ndarray, rng: np.random.Generator, batch: int, seq_len
     return windows[:, :-1], windows[:, 1:]
 
 
-def make_train_step(compute_dtype: str | None, optimizer: optax.GradientTransformation):
-    """A jitted ``step(model, opt_state, tokens, targets) -> (model, opt_state, loss)``."""
+def make_train_step(compute_dtype: str | None, optimizer: optax.GradientTransformation, monitor: bool = False):
+    """A jitted ``step(model, opt_state, tokens, targets) -> (model, opt_state, loss)``.
+
+    With `monitor`, the step is `jaxamp.monitor`'d: it returns
+    ``((model, opt_state, loss), stats)``.
+    """
     loss = lm_loss if compute_dtype is None else jaxamp.amp(lm_loss, compute_dtype=compute_dtype)
 
-    @eqx.filter_jit
     def step(model, opt_state, tokens, targets):
         value, grads = eqx.filter_value_and_grad(loss)(model, tokens, targets)
         updates, opt_state = optimizer.update(grads, opt_state, model)
@@ -96,7 +106,7 @@ def make_train_step(compute_dtype: str | None, optimizer: optax.GradientTransfor
         # stay bf16); equinox's would return float32. Every leaf of GPT is an array.
         return optax.apply_updates(model, updates), opt_state, value
 
-    return step, eqx.filter_jit(loss)
+    return eqx.filter_jit(jaxamp.monitor(step) if monitor else step), eqx.filter_jit(loss)
 
 
 def generate(
@@ -164,6 +174,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated runs, of: {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
     )
     parser.add_argument("--plot", type=Path, default=None, help="save the loss curves to this PNG")
+    parser.add_argument(
+        "--monitor",
+        type=Path,
+        default=None,
+        help="monitor the amp runs' numerics (jaxamp.monitor) and write each run's records "
+        "(<mode>.jsonl), report (<mode>.html, <mode>.png) and suggested policy to this directory",
+    )
+    parser.add_argument(
+        "--monitor-every", type=int, default=10, help="record the statistics every this many steps (default: 10)"
+    )
     return parser.parse_args(argv)
 
 
@@ -209,8 +229,14 @@ def main(argv: list[str] | None = None) -> dict:
         # Every mode draws its stochastic rounding from the same seed.
         wrapped = precision.wrap(optimizer, jax.random.key(args.seed))
         model = jaxamp.cast_floating(init, precision.param_dtype)
-        step, loss = make_train_step(dtype, wrapped)
+        monitored = args.monitor is not None and dtype is not None
+        step, loss = make_train_step(dtype, wrapped, monitor=monitored)
         runs[name] = {"model": model, "opt_state": wrapped.init(model), "step": step, "loss": loss}
+        if monitored:
+            args.monitor.mkdir(parents=True, exist_ok=True)
+            path = args.monitor / f"{_slug(name)}.jsonl"
+            path.unlink(missing_ok=True)
+            runs[name]["recorder"] = jaxamp.MonitorRecorder(every=args.monitor_every, path=path)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(init))
     print(
         f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; corpus {len(data):,} bytes of "
@@ -234,9 +260,11 @@ def main(argv: list[str] | None = None) -> dict:
         tokens, targets = sample_batch(train_data, rng, args.batch_size, args.seq_len)
         for name, run in runs.items():
             start = time.perf_counter()
-            run["model"], run["opt_state"], loss = jax.block_until_ready(
-                run["step"](run["model"], run["opt_state"], tokens, targets)
-            )
+            out = jax.block_until_ready(run["step"](run["model"], run["opt_state"], tokens, targets))
+            if "recorder" in run:
+                out, stats = out
+                run["recorder"].record(i, stats)  # kept on device; read in batches
+            run["model"], run["opt_state"], loss = out
             if i:  # step 0 includes compilation
                 seconds[name].append(time.perf_counter() - start)
             train_loss[name].append(float(loss))
@@ -261,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.plot is not None:
         plot(train_loss, val_loss, val_steps, args.plot)
         print(f"loss curves saved to {args.plot}")
+    monitored = {name: _report(name, run["recorder"], args.monitor) for name, run in runs.items() if "recorder" in run}
     samples = {}
     for name, (dtype, _) in modes.items():
         key = jax.random.key(args.seed)
@@ -276,7 +305,29 @@ def main(argv: list[str] | None = None) -> dict:
         "step_seconds": {
             name: float(np.mean(s)) if s else float("nan") for name, s in seconds.items()
         },
+        "monitor": monitored,
     }
+
+
+def _slug(name: str) -> str:
+    return name.replace(" ", "_")
+
+
+def _report(name: str, recorder: jaxamp.MonitorRecorder, directory: Path) -> dict:
+    """Write one monitored run's report; print its worst scopes and the suggested policy."""
+    recorder.close()
+    html = jaxamp.monitor_report(recorder, directory / f"{_slug(name)}.html")
+    png = jaxamp.monitor_report(recorder, directory / f"{_slug(name)}.png")
+    _, scopes, _, _ = jaxamp.monitoring.summarize(recorder)
+    suggestion = jaxamp.suggest_policy(recorder)
+    print(f"\n--- numerics of {name} (report: {html}, {png}) ---")
+    for s in scopes[:5]:
+        print(
+            f"{s.direction:>8} {s.scope:<28} least headroom {s.headroom_bits:6.2f} bits, "
+            f"most underflow {100 * s.underflow:5.2f}%, inf/NaN {s.nonfinite:.0f} ({', '.join(s.dtypes)})"
+        )
+    print(suggestion)
+    return {"html": html, "png": png, "worst": [(s.direction, s.scope) for s in scopes[:5]], "suggestion": suggestion}
 
 
 def _gap(value: float, reference: list[float] | None, name: str) -> str:

@@ -6,6 +6,7 @@ scripts' default runs check accuracy).
 """
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -69,6 +70,25 @@ def test_char_lm_smoke(tmp_path):
     assert char_lm.parse_args([]).modes == ("float32", "amp bf16")  # the default runs
     with pytest.raises(SystemExit):
         char_lm.parse_args(["--modes", "amp bf16,bf16 rounding"])
+
+
+def test_char_lm_monitor_writes_the_report_and_suggests_a_policy(tmp_path):
+    char_lm = _load_example("char_lm")
+    argv = [
+        "--steps", "4", "--print-every", "4", "--batch-size", "2", "--seq-len", "16",
+        "--d-model", "16", "--layers", "2", "--heads", "2", "--corpus-bytes", "20000",
+        "--sample-chars", "2", "--modes", "float32,amp bf16", "--monitor", str(tmp_path),
+        "--monitor-every", "2",
+    ]  # fmt: skip
+    out = char_lm.main(argv)
+    assert list(out["monitor"]) == ["amp bf16"]  # the float32 run is not an amp run
+    report = out["monitor"]["amp bf16"]
+    assert (tmp_path / "amp_bf16.html").stat().st_size > 0 and (tmp_path / "amp_bf16.png").stat().st_size > 0
+    records = [json.loads(line) for line in (tmp_path / "amp_bf16.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 2]
+    scopes = {s["scope"].split("/")[0] for r in records for s in r["sites"]}
+    assert {"attention", "mlp", "lm_head"} <= scopes
+    assert str(report["suggestion"]).startswith("# jaxamp.suggest_policy: from 2 recorded steps")
 
 
 def test_matmul_flops_counts_scan_bodies_and_dtypes():

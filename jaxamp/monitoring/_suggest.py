@@ -217,16 +217,17 @@ def _loss_scaling(stats: list[dict], scales: list[tuple[int, float]]) -> dict[st
         return dict(loss_scale=Suggestion("", "no_loss_scale", reason), scale_range=None)
     good = [e for e, f in fraction.items() if f < _UNDERFLOW_TARGET and e <= high]
     described = ", ".join(f"{100 * f:.2f}% at 2^{e:g}" for e, f in fraction.items())
+    described = f"nonzero cotangents below float16's smallest normal: {described}"
     if not good:
         reason = (
-            f"needed, and no recorded scale keeps underflow below 1% without overflow: lost to underflow "
-            f"{described}; scales above 2^{high} would overflow the largest cotangent ({largest:.3g}){caveat}"
+            f"needed, and no recorded scale keeps underflow below 1% without overflow: {described}; "
+            f"scales above 2^{high} would overflow the largest cotangent ({largest:.3g}){caveat}"
         )
         return dict(loss_scale=Suggestion("", "loss_scale", reason, severity=1.0), scale_range=None)
     low = int(min(good))
     reason = (
-        f"needed: nonzero cotangents lost to underflow: {described}; the largest cotangent ({largest:.3g}, "
-        f"unscaled) stays below half of 65504 up to 2^{high}: use scales 2^{low} to 2^{high}{caveat}"
+        f"needed: {described}; the largest cotangent ({largest:.3g}, unscaled) stays below half of 65504 "
+        f"up to 2^{high}: use scales 2^{low} to 2^{high}{caveat}"
     )
     return dict(loss_scale=Suggestion("", "loss_scale", reason, severity=1.0), scale_range=(low, int(high)))
 

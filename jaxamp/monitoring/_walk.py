@@ -45,7 +45,8 @@ class Site:
         scope: the `jax.named_scope` path (``"block_0/attn"``), or the user
             line (``"model.py:12 (loss)"``) of an equation outside any scope.
         name: what is measured there: ``"dot_general[0].lhs"`` (``.rhs``,
-            ``.out``; numbered in program order within the scope and
+            ``.out``, except for a float8 matmul, whose product is in scaled
+            units; numbered in program order within the scope and
             direction), or ``"output[k]"`` for the k-th value the scope hands on.
         dtype: the dtype the value is stored in (underflow and headroom are
             relative to it).
@@ -141,6 +142,10 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
         if eqn.primitive.name in MATMUL_NAMES and any(is_low_precision(x.dtype) for x in invals[:2]):
             k = state.number(direction, scope, eqn.primitive.name)
             named = [(eqn.invars[0], "lhs"), (eqn.invars[1], "rhs"), (eqn.outvars[0], "out")]
+            if any(str(x.dtype).startswith("float8") for x in invals[:2]):
+                # A float8 product is in the operands' scaled units until it is
+                # rescaled: its value is the one the scope hands on.
+                named = named[:2]
             for v, role in named:
                 x = read(_before_pvary(v, producers))
                 source = _fp8_source(v, producers, read)
