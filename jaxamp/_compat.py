@@ -66,6 +66,7 @@ __all__ = [
     "eqn_transposed",
     "eqn_user_frame",
     "frame_line",
+    "has_nnx_objects",
     "is_differentiation_tracer",
     "is_zero",
     "jit_params_with_extra_outputs",
@@ -947,6 +948,20 @@ def nnx_raw_value(leaf: Any) -> Any:
     if hasattr(leaf, "get_raw_value"):  # flax >= 0.12 (``raw_value`` warns there)
         return leaf.get_raw_value()
     return leaf.raw_value
+
+
+def has_nnx_objects(tree: Any, variables: bool = True) -> bool:
+    """Whether an nnx object (Module, Rngs, Variable...) is among `tree`'s leaves.
+
+    With ``variables=False``, only graph nodes (Modules, Rngs...): a Variable
+    (as in the state `nnx.split` returns) flattens like any pytree.
+    """
+    if "flax.nnx" not in sys.modules:
+        return False
+    from flax import nnx
+
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=nnx_is_object)
+    return any(nnx_is_object(leaf) and (variables or not isinstance(leaf, nnx.Variable)) for leaf in leaves)
 
 
 def nnx_is_object(x: Any) -> bool:

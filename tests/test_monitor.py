@@ -215,7 +215,11 @@ def test_statistics_of_any_magnitude_match_numpy(exponent, dtype, special):
             return jnp.ones((2, 6), dtype) @ w
 
     _, stats = jax.jit(jaxamp.monitor(fn, headroom_bits=2))(w)
-    np.testing.assert_array_equal(by_site(stats)[("forward", "s", "dot_general[0].rhs")], reference(w, headroom_bits=2))
+    found = by_site(stats)
+    np.testing.assert_array_equal(found[("forward", "s", "dot_general[0].rhs")], reference(w, headroom_bits=2))
+    # A broadcast constant is measured from its scalar, counts multiplied.
+    ones = jnp.ones((2, 6), dtype)
+    np.testing.assert_array_equal(found[("forward", "s", "dot_general[0].lhs")], reference(ones, headroom_bits=2))
 
 
 def test_rows_derive_headroom_and_fractions():
@@ -240,3 +244,14 @@ def test_bad_input_and_differentiating_the_monitor_raise():
     monitored = jaxamp.monitor(lambda x: jnp.sum(x.astype(BF16) @ x.astype(BF16)).astype(jnp.float32))
     with pytest.raises(TypeError, match=r"jaxamp.monitor\(jax.value_and_grad\(loss\)\)"):
         jax.grad(lambda x: monitored(x)[0])(jnp.ones((2, 2)))
+
+
+def test_flax_nnx_objects_get_an_error_that_says_what_to_monitor_instead():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"not flax nnx objects.*nnx.split\(model\)"):
+        jaxamp.monitor(lambda m, x: m(x))(model, jnp.ones((2, 4)))
+    graphdef, state = nnx.split(model)
+    forward = jaxamp.amp(lambda s, x: nnx.merge(graphdef, s)(x), compute_dtype="bf16")
+    out, stats = jax.jit(jaxamp.monitor(forward))(state, jnp.ones((2, 4)))
+    assert out.shape == (2, 4) and [s.name for s in stats.sites][:3] == [f"dot_general[0].{r}" for r in ("lhs", "rhs", "out")]

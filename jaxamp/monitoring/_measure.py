@@ -133,7 +133,8 @@ def derived(row: dict[str, Any]) -> dict[str, Any]:
     """The figures read off a site's fields (a dict with `FIELDS`, ``dtype`` and ``direction``).
 
     ``headroom_bits`` (against the dtype the value is stored in; for a
-    float8 operand, of the value it quantises, in float32),
+    float8 value, of the value it quantises, in float32, inf when that is
+    not in the same body),
     ``underflow_fraction`` (of nonzero entries, below the smallest normal of
     the dtype stored in), ``above_fraction`` (of entries),
     ``float16_underflow_fraction`` (of nonzero entries, below float16's
@@ -143,12 +144,15 @@ def derived(row: dict[str, Any]) -> dict[str, Any]:
     below float16's smallest normal.
     """
     nonzero = row["nonzero"]
-    # A float8 operand is scaled to fill its format (current scaling): its
-    # headroom is that of the value it quantises, held in float32.
-    fp8 = row.get("fp8") and row["source_amax"] > 0
-    amax, dtype = (row["source_amax"], np.float32) if fp8 else (row["amax"], row["dtype"])
+    # A float8 value is scaled to fill its format (current scaling) and cannot
+    # overflow it: its headroom is that of the value it quantises, held in
+    # float32, where that was found (inf otherwise).
+    if str(row["dtype"]).startswith("float8"):
+        headroom = headroom_bits(row["source_amax"], np.float32)
+    else:
+        headroom = headroom_bits(row["amax"], row["dtype"])
     figures: dict[str, Any] = dict(
-        headroom_bits=headroom_bits(amax, dtype),
+        headroom_bits=headroom,
         underflow_fraction=row["underflow"] / nonzero if nonzero else 0.0,
         above_fraction=row["above"] / row["values"] if row["values"] else 0.0,
         float16_underflow_fraction=row["below_2^-14"] / nonzero if nonzero else 0.0,

@@ -114,9 +114,11 @@ def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callab
         ``monitored(*args, **kwargs) -> (outputs, MonitorStats)``.
 
     Raises:
-        TypeError: `fn` is not callable, or the monitored function is itself
+        TypeError: `fn` is not callable; the monitored function is itself
             being differentiated (monitor the function that differentiates,
-            so the backward pass is in the program monitor sees).
+            so the backward pass is in the program monitor sees); flax nnx
+            Modules or Rngs among the arguments (monitor a function of their
+            state, `nnx.split`'s).
         ValueError: `headroom_bits` is negative or not finite.
     """
     if fn is None:
@@ -130,6 +132,13 @@ def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callab
 
     @functools.wraps(fn)
     def monitored(*args: Any, **kwargs: Any) -> tuple[Any, MonitorStats]:
+        if _compat.has_nnx_objects((fn, args, kwargs), variables=False):
+            raise TypeError(
+                "jaxamp.monitor takes pytrees, not flax nnx objects (Modules, Rngs), whose "
+                "state it would not carry: monitor a pure function of their state, e.g. "
+                "graphdef, state = nnx.split(model); jaxamp.monitor(lambda state, batch: "
+                "step(nnx.merge(graphdef, state), batch))(state, batch), returning the new state."
+            )
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
         if any(_compat.is_differentiation_tracer(leaves[i]) for i in dynamic):

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from .. import _compat
 from .._jaxpr import MATMUL_NAMES, holds_matmul, source_label
-from ._measure import combine, is_low_precision, measure
+from ._measure import NUM_MAX_FIELDS, combine, is_low_precision, measure
 
 __all__ = ["Site", "walk"]
 
@@ -109,6 +109,7 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
     handed_on = _handed_on(jaxpr, paths, ctx.scopes)
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     made_in = {v: _user_scopes(path) for eqn, path in zip(jaxpr.eqns, paths) for v in eqn.outvars}
+    constant = _constant_values(jaxpr)
     taps: Taps = []
 
     def read(v):
@@ -147,19 +148,19 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
                 # rescaled: its value is the one the scope hands on.
                 named = named[:2]
             for v, role in named:
-                x = read(_before_pvary(v, producers))
                 source = _fp8_source(v, producers, read)
                 name = f"{eqn.primitive.name}[{k}].{role}"
                 made = made_in.get(v) if not isinstance(v, _compat.Literal) else None
                 handed_in = made is not None and made[: len(path)] != path
-                site = Site(direction, scope, name, np.dtype(x.dtype).name, source is not None, handed_in)
-                taps.append((site, measure(x, state.headroom_bits, *(source or ()))))
+                site = Site(direction, scope, name, np.dtype(v.aval.dtype).name, source is not None, handed_in)
+                taps.append((site, _measure_var(state, v, producers, constant, read, source)))
                 measured.add(v)
         for v in eqn.outvars:
-            if v in handed_on and v not in measured:
+            # (A constant handed on, a where's fill value, is the program's, not a numerics risk.)
+            if v in handed_on and v not in measured and v not in constant:
                 k = state.number(direction, scope, "output")
                 site = Site(direction, scope, f"output[{k}]", np.dtype(v.aval.dtype).name)
-                taps.append((site, measure(env[v], state.headroom_bits)))
+                taps.append((site, _measure_var(state, v, producers, constant, read)))
     return [read(v) for v in jaxpr.outvars], taps
 
 
@@ -190,6 +191,44 @@ def _handed_on(jaxpr: Any, paths: list[tuple[str, ...]], outer: tuple[str, ...])
             if made is not None and path[: len(made)] != made:
                 handed.add(v)
     return handed
+
+
+def _constant_values(jaxpr: Any) -> set:
+    """The variables of `jaxpr` computed from constants alone (no input, no effect)."""
+    constant = set(jaxpr.constvars)
+    for eqn in jaxpr.eqns:
+        if not eqn.effects and all(isinstance(v, _compat.Literal) or v in constant for v in eqn.invars):
+            constant.update(eqn.outvars)
+    return constant
+
+
+def _measure_var(
+    state: _Walk, v: Any, producers: dict, constant: set, read, source: tuple | None = None
+) -> Any:
+    """`measure` of the value of `v`, from the smaller value it was broadcast from if it was.
+
+    A broadcast's statistics are its operand's, counts multiplied: cheaper, and
+    XLA would otherwise constant-fold the reduction of a broadcast constant
+    (the backward pass's seed of ones, zeros) element by element at compile
+    time, which takes seconds for an activation-sized one. Any other value
+    made of constants alone is measured behind an optimization barrier, for
+    the same reason.
+    """
+    v = _before_pvary(v, producers)
+    eqn = producers.get(v) if not isinstance(v, _compat.Literal) else None
+    copies = 1
+    while eqn is not None and eqn.primitive.name == "broadcast_in_dim":
+        operand = eqn.invars[0]
+        copies *= int(np.prod(v.aval.shape)) // max(int(np.prod(getattr(operand.aval, "shape", ()))), 1)
+        v = operand
+        eqn = producers.get(v) if not isinstance(v, _compat.Literal) else None
+    x = jnp.asarray(read(v), v.aval.dtype)
+    if x.size > 1 and not isinstance(v, _compat.Literal) and v in constant:
+        x = jax.lax.optimization_barrier(x)
+    vector = measure(x, state.headroom_bits, *(source or ()))
+    if copies > 1:
+        vector = vector.at[NUM_MAX_FIELDS:].multiply(np.float32(copies))
+    return vector
 
 
 def _before_pvary(v: Any, producers: dict) -> Any:
@@ -387,7 +426,7 @@ def _per_device(vector: Any, axes: tuple[tuple[Any, int], ...]) -> Any:
         varying = _compat.varying_axes(vector)
         copies = int(np.prod([size for name, size in axes if name not in varying]))
         if copies > 1:
-            vector = vector.at[3:].divide(np.float32(copies))
+            vector = vector.at[NUM_MAX_FIELDS:].divide(np.float32(copies))
     return _compat.mark_varying(vector, [name for name, _ in axes])[None]
 
 

@@ -36,12 +36,7 @@ from .. import _compat
 __all__ = ["GraphCall", "has_nnx_objects", "lift", "module_scopes"]
 
 
-def has_nnx_objects(tree: Any) -> bool:
-    """Whether an nnx object (Module, Rngs, Variable...) is among `tree`'s leaves."""
-    if "flax.nnx" not in sys.modules:
-        return False
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_compat.nnx_is_object)
-    return any(_compat.nnx_is_object(leaf) for leaf in leaves)
+has_nnx_objects = _compat.has_nnx_objects
 
 
 def lift(fn: Callable, args: tuple, kwargs: dict) -> GraphCall | None:
