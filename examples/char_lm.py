@@ -24,8 +24,9 @@ each other, and at the end each model continues a few prompts.
 ``--monitor DIR`` runs the amp modes' steps under `jaxamp.monitor` and records
 their numerics every ``--monitor-every`` steps (`jaxamp.MonitorRecorder`):
 at the end each run's report (``DIR/<mode>.html`` and ``.png``: headroom and
-underflow of every scope over the steps, worst first) is written and the
-policy `jaxamp.suggest_policy` reads off the records is printed.
+underflow of every scope over the steps, worst first; ``<mode>-as-float16.png``
+against float16's range) is written and the policy `jaxamp.suggest_policy`
+reads off the records is printed.
 """
 
 from __future__ import annotations
@@ -318,16 +319,19 @@ def _report(name: str, recorder: jaxamp.MonitorRecorder, directory: Path) -> dic
     recorder.close()
     html = jaxamp.monitor_report(recorder, directory / f"{_slug(name)}.html")
     png = jaxamp.monitor_report(recorder, directory / f"{_slug(name)}.png")
+    # bfloat16 and float8 have float32's range: what float16 would meet is the question.
+    as_f16 = jaxamp.monitor_report(recorder, directory / f"{_slug(name)}-as-float16.png", against="float16")
     _, scopes, _, _ = jaxamp.monitoring.summarize(recorder)
     suggestion = jaxamp.suggest_policy(recorder)
-    print(f"\n--- numerics of {name} (report: {html}, {png}) ---")
+    print(f"\n--- numerics of {name} (report: {html}, {png}, {as_f16}) ---")
     for s in scopes[:5]:
         print(
             f"{s.direction:>8} {s.scope:<28} least headroom {s.headroom_bits:6.2f} bits, "
             f"most underflow {100 * s.underflow:5.2f}%, inf/NaN {s.nonfinite:.0f} ({', '.join(s.dtypes)})"
         )
     print(suggestion)
-    return {"html": html, "png": png, "worst": [(s.direction, s.scope) for s in scopes[:5]], "suggestion": suggestion}
+    worst = [(s.direction, s.scope) for s in scopes[:5]]
+    return {"html": html, "png": png, "as_float16": as_f16, "worst": worst, "suggestion": suggestion}
 
 
 def _gap(value: float, reference: list[float] | None, name: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._measure import derived
+from ._measure import derived, headroom_bits
 from ._recorder import load_records
 
 __all__ = ["ScopeSummary", "monitor_report", "summarize"]
@@ -53,7 +53,9 @@ class ScopeSummary:
         )  # fmt: skip
 
 
-def summarize(records: Any) -> tuple[list[int], list[ScopeSummary], dict[str, dict[str, np.ndarray]], list[dict]]:
+def summarize(
+    records: Any, against: str | None = None
+) -> tuple[list[int], list[ScopeSummary], dict[str, dict[str, np.ndarray]], list[dict]]:
     """Per scope and step, the worst site's headroom and underflow.
 
     A scope is judged by the values it makes (its matmuls' results, what it
@@ -63,6 +65,10 @@ def summarize(records: Any) -> tuple[list[int], list[ScopeSummary], dict[str, di
 
     Args:
         records: a `MonitorRecorder`, its records, or the JSON-lines file it wrote.
+        against: None: headroom and underflow against the dtype each value is
+            stored in; ``"float16"``: against float16's range, whatever the
+            run used (what a bfloat16 or float32 run would meet in float16;
+            float8 values, whose magnitudes are scaled, are left out).
 
     Returns:
         ``(steps, scopes, grids, loss_scale_events)``: the steps with
@@ -71,6 +77,8 @@ def summarize(records: Any) -> tuple[list[int], list[ScopeSummary], dict[str, di
         ``(scopes of that direction in the order of `scopes`, steps)`` (NaN
         where a scope was not measured at a step); the loss-scale records.
     """
+    if against not in (None, "float16"):
+        raise ValueError(f"against must be None or 'float16', got {against!r}.")
     records = load_records(records)
     stats = [r for r in records if r["kind"] == "stats"]
     events = [r for r in records if r["kind"] == "loss_scale"]
@@ -84,6 +92,10 @@ def summarize(records: Any) -> tuple[list[int], list[ScopeSummary], dict[str, di
             figures = derived(site)
             key = (site["direction"], site["scope"])
             headroom, underflow = figures["headroom_bits"], figures["underflow_fraction"]
+            if against == "float16":
+                if str(site["dtype"]).startswith("float8"):
+                    continue
+                headroom, underflow = headroom_bits(site["amax"], "float16"), figures["float16_underflow_fraction"]
             previous = cells[key].get(column, [math.inf, 0.0])
             cells[key][column] = [min(previous[0], headroom), max(previous[1], underflow)]
             total = totals.setdefault(
@@ -113,7 +125,7 @@ def summarize(records: Any) -> tuple[list[int], list[ScopeSummary], dict[str, di
     return steps, summaries, grids, events
 
 
-def monitor_report(records: Any, path: str | os.PathLike, *, top: int = 40) -> str:
+def monitor_report(records: Any, path: str | os.PathLike, *, top: int = 40, against: str | None = None) -> str:
     """Write a run's report: ``.html`` (self-contained) or ``.png`` (needs matplotlib).
 
     The report shows, for the forward values and the backward cotangents, a
@@ -129,6 +141,8 @@ def monitor_report(records: Any, path: str | os.PathLike, *, top: int = 40) -> s
         records: a `MonitorRecorder`, its ``records``, or the JSON-lines file it wrote.
         path: where to write; the suffix picks the format.
         top: the number of scopes per direction drawn (the worst).
+        against: ``"float16"``: headroom and underflow against float16's
+            range whatever dtype the run used (see `summarize`).
 
     Returns:
         `path`, as a string.
@@ -142,7 +156,7 @@ def monitor_report(records: Any, path: str | os.PathLike, *, top: int = 40) -> s
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".html", ".png"):
         raise ValueError(f"monitor_report writes .html or .png files, got {path!r}.")
-    steps, summaries, grids, events = summarize(records)
+    steps, summaries, grids, events = summarize(records, against)
     if not steps:
         raise ValueError(
             "monitor_report: the records hold no statistics (record MonitorStats with a MonitorRecorder)."
@@ -152,11 +166,15 @@ def monitor_report(records: Any, path: str | os.PathLike, *, top: int = 40) -> s
             grid[name] = grid[name][:top]
         grid["scopes"] = grid["scopes"][:top]
     if suffix == ".png":
-        _write_png(path, steps, grids, events)
+        _write_png(path, steps, grids, events, _dtype_label(against))
     else:
         with open(path, "w") as f:
-            f.write(_html(steps, summaries, grids, events))
+            f.write(_html(steps, summaries, grids, events, _dtype_label(against)))
     return path
+
+
+def _dtype_label(against: str | None) -> str:
+    return "against float16" if against else "against each value's dtype"
 
 
 # --- HTML ----------------------------------------------------------------------------
@@ -242,7 +260,7 @@ def _loss_scale_svg(events: list[dict], steps: list[int]) -> str:
     )
 
 
-def _html(steps, summaries, grids, events) -> str:
+def _html(steps, summaries, grids, events, label: str) -> str:
     rows = "\n".join(
         f"<tr><td>{s.direction}</td><td>{html.escape(s.scope)}</td><td>{', '.join(s.dtypes)}</td>"
         f"<td>{s.headroom_bits:.2f}</td><td>{100 * s.underflow:.2f}%</td><td>{s.nonfinite:.0f}</td>"
@@ -256,11 +274,13 @@ def _html(steps, summaries, grids, events) -> str:
             continue
         name = "values" if direction == "forward" else "cotangents"
         sections.append(
-            _heatmap_svg(f"{direction}: headroom (bits) of {name}", grid["scopes"], steps, grid["headroom_bits"],
+            _heatmap_svg(f"{direction}: headroom (bits) of {name}, {label}", grid["scopes"], steps,
+                         grid["headroom_bits"],
                          _headroom_colour, "bits")  # fmt: skip
         )
         sections.append(
-            _heatmap_svg(f"{direction}: underflow fraction of {name}", grid["scopes"], steps, grid["underflow"],
+            _heatmap_svg(f"{direction}: underflow fraction of {name}, {label}", grid["scopes"], steps,
+                         grid["underflow"],
                          _underflow_colour, "")  # fmt: skip
         )
     return f"""<!DOCTYPE html>
@@ -268,8 +288,8 @@ def _html(steps, summaries, grids, events) -> str:
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style></head>
 <body><h1>jaxamp numerics report</h1>
-<p>{len(steps)} recorded steps ({steps[0]} to {steps[-1]}). Headroom: log2 of the largest finite value of the
-dtype a value is stored in over its largest magnitude (below 1 bit: within a factor of 2 of overflowing).
+<p>{len(steps)} recorded steps ({steps[0]} to {steps[-1]}), {label}. Headroom: log2 of the dtype's largest
+finite value over a value's largest magnitude (below 1 bit: within a factor of 2 of overflowing).
 Underflow: the fraction of nonzero entries below the dtype's smallest normal.</p>
 <h2>Scopes, worst first</h2>
 <table id="scopes"><thead><tr><th>direction</th><th>scope</th><th>dtype</th><th>least headroom (bits)</th>
@@ -286,7 +306,7 @@ Underflow: the fraction of nonzero entries below the dtype's smallest normal.</p
 # --- PNG -----------------------------------------------------------------------------
 
 
-def _write_png(path: str, steps, grids, events) -> None:
+def _write_png(path: str, steps, grids, events, label: str) -> None:
     try:
         import matplotlib
 
@@ -301,7 +321,7 @@ def _write_png(path: str, steps, grids, events) -> None:
     extent = None
     for row, direction in enumerate(directions):
         grid = grids[direction]
-        for column, (name, cmap, vmax, label) in enumerate(
+        for column, (name, cmap, vmax, name_label) in enumerate(
             (("headroom_bits", "RdYlGn", _HEADROOM_SCALE, "headroom (bits)"), ("underflow", "Blues", 1.0, "underflow"))
         ):
             ax = axes[row][column]
@@ -312,7 +332,7 @@ def _write_png(path: str, steps, grids, events) -> None:
             ax.set_yticks(range(len(grid["scopes"])), [s[:40] for s in grid["scopes"]], fontsize=7)
             ticks = np.linspace(0, len(steps) - 1, min(len(steps), 6)).round().astype(int)
             ax.set_xticks(ticks, [str(steps[t]) for t in ticks], fontsize=7)
-            ax.set_title(f"{direction}: {label}", fontsize=9)
+            ax.set_title(f"{direction}: {name_label}, {label}", fontsize=9)
             fig.colorbar(image, ax=ax)
     ax = axes[-1][0]
     points = _scale_points(events, steps)
@@ -323,6 +343,10 @@ def _write_png(path: str, steps, grids, events) -> None:
         if skipped:
             ax.plot(*zip(*skipped), "r.", label="skipped")
             ax.legend(fontsize=7)
+    if not points:
+        ax.text(0.5, 0.5, "no loss scale recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks([])
+        ax.set_yticks([])
     ax.set_title("loss scale", fontsize=9)
     axes[-1][1].axis("off")
     fig.tight_layout()

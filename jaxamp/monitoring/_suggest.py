@@ -158,9 +158,13 @@ def _keep_float32(stats: list[dict]) -> list[Suggestion]:
             if site["direction"] != "forward" or not site["nonzero"] or site.get("handed_in"):
                 continue  # (an operand another scope made is that scope's doing)
             scope, where = site["scope"], (record["step"], site["name"])
-            amax = site["source_amax"] if site["fp8"] else site["amax"]
+            # A float8 value's magnitudes are in scaled units: only the amax of
+            # the value it quantises (when found) is the model's.
+            amax = site["source_amax"] if site["fp8"] else (0.0 if _scaled(site) else site["amax"])
             if amax > largest.get(scope, (-1.0,))[0]:
                 largest[scope] = (amax, *where)
+            if _scaled(site):
+                continue
             lost = site["below_2^-14"] / site["nonzero"]
             if lost > underflow.get(scope, (-1.0,))[0]:
                 underflow[scope] = (lost, *where)
@@ -192,7 +196,7 @@ def _loss_scaling(stats: list[dict], scales: list[tuple[int, float]]) -> dict[st
     for record in stats:
         run_exponent = math.log2(_scale_at(scales, record["step"]))
         for site in record["sites"]:
-            if site["direction"] != "backward" or not site["nonzero"]:
+            if site["direction"] != "backward" or not site["nonzero"] or _scaled(site):
                 continue
             stored_f16 |= site["dtype"] == "float16"
             largest = max(largest, site["amax"] / 2.0**run_exponent)
@@ -230,6 +234,11 @@ def _loss_scaling(stats: list[dict], scales: list[tuple[int, float]]) -> dict[st
         f"up to 2^{high}: use scales 2^{low} to 2^{high}{caveat}"
     )
     return dict(loss_scale=Suggestion("", "loss_scale", reason, severity=1.0), scale_range=(low, int(high)))
+
+
+def _scaled(site: dict) -> bool:
+    """Whether a site's magnitudes are in float8's scaled units, not the model's."""
+    return str(site["dtype"]).startswith("float8")
 
 
 def _scale_at(scales: list[tuple[int, float]], step: int) -> float:

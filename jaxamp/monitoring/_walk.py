@@ -106,9 +106,9 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
     paths = [ctx.scopes + _compat.eqn_scopes(eqn) for eqn in jaxpr.eqns]
-    handed_on = _handed_on(jaxpr, paths, ctx.scopes)
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     made_in = {v: _user_scopes(path) for eqn, path in zip(jaxpr.eqns, paths) for v in eqn.outvars}
+    handed_on = _handed_on(jaxpr, made_in, paths, ctx.scopes)
     constant = _constant_values(jaxpr)
     taps: Taps = []
 
@@ -154,7 +154,8 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
                 handed_in = made is not None and made[: len(path)] != path
                 site = Site(direction, scope, name, np.dtype(v.aval.dtype).name, source is not None, handed_in)
                 taps.append((site, _measure_var(state, v, producers, constant, read, source)))
-                measured.add(v)
+                if not isinstance(v, _compat.Literal):
+                    measured.add(v)
         for v in eqn.outvars:
             # (A constant handed on, a where's fill value, is the program's, not a numerics risk.)
             if v in handed_on and v not in measured and v not in constant:
@@ -170,25 +171,18 @@ def _user_scopes(path: tuple[str, ...]) -> tuple[str, ...]:
 
 def _is_floating(aval: Any) -> bool:
     dtype = getattr(aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating) and np.size(aval.shape) >= 0
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _handed_on(jaxpr: Any, paths: list[tuple[str, ...]], outer: tuple[str, ...]) -> set:
-    """Floating values made inside a named scope and read outside it (or returned)."""
-    made_in = {}
-    for eqn, path in zip(jaxpr.eqns, paths):
-        path = _user_scopes(path)
-        if len(path) > len(outer):
-            for v in eqn.outvars:
-                if not isinstance(v, _compat.DropVar) and _is_floating(v.aval):
-                    made_in[v] = path
+def _handed_on(jaxpr: Any, made_in: dict, paths: list[tuple[str, ...]], outer: tuple[str, ...]) -> set:
+    """Floating values made inside a named scope (deeper than `outer`) and read outside it (or returned)."""
     handed = set()
     readers = [(eqn.invars, _user_scopes(p)) for eqn, p in zip(jaxpr.eqns, paths)]
     readers.append((jaxpr.outvars, outer))
     for invars, path in readers:
         for v in invars:
             made = made_in.get(v) if not isinstance(v, _compat.Literal) else None
-            if made is not None and path[: len(made)] != made:
+            if made is not None and len(made) > len(outer) and path[: len(made)] != made and _is_floating(v.aval):
                 handed.add(v)
     return handed
 
