@@ -38,7 +38,7 @@ def loss(params, x):
     return jnp.mean((y - 0.5) ** 2)
 
 
-def train(steps=6, every=2, path=None):
+def train(steps=6, every=2, path=None, tensorboard_dir=None):
     """A few float16 steps with dynamic loss scaling, monitored and recorded."""
     params = init(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (32, WIDTH))
@@ -52,7 +52,7 @@ def train(steps=6, every=2, path=None):
         return state, params, value, jaxamp.all_finite(grads)
 
     state = jaxamp.DynamicScalerState(scaler=4.0, patience=2)
-    recorder = jaxamp.MonitorRecorder(every=every, path=path)
+    recorder = jaxamp.MonitorRecorder(every=every, path=path, tensorboard_dir=tensorboard_dir)
     for i in range(steps):
         (next_state, params, value, finite), stats = step(state, params, x)
         recorder.record(i, stats, loss_scale=state, finite=finite)  # the scale the step ran with
@@ -97,6 +97,26 @@ def test_records_hold_every_nth_step_loss_scale_events_and_json_lines(tmp_path):
     assert events == [(0, "start", 4.0), (3, "change", 8.0)]  # grown after 2 finite steps (patience)
     sites = on_disk[0]["sites"] if on_disk[0]["kind"] == "stats" else on_disk[1]["sites"]
     assert {"forward", "backward"} == {s["direction"] for s in sites}
+
+
+def test_tensorboard_gets_each_sites_headroom_and_the_loss_scale(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from tensorboardX.proto.event_pb2 import Event
+
+    recorder, _, _ = train(steps=4, every=2, tensorboard_dir=tmp_path)
+    recorder.close()
+    scalars = {}
+    for path in tmp_path.glob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        while data:  # TFRecord framing: length, its CRC, the record, its CRC
+            length = int.from_bytes(data[:8], "little")
+            event = Event.FromString(data[12 : 12 + length])
+            data = data[16 + length :]
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    assert scalars["loss_scale"][0] == (0, 4.0)
+    assert "monitor/forward/tiny/dot_general_0.out/underflow" in scalars
+    assert [step for step, _ in scalars["monitor/forward/first/dot_general_0.out/headroom_bits"]] == [0, 2]
 
 
 def test_the_badly_scaled_layer_is_named_first_by_the_report_compare_and_suggest_policy(tmp_path):

@@ -140,7 +140,9 @@ class MonitorRecorder:
                     self._writer.add_scalar("loss_scale", record["loss_scale"], record["step"])
                 continue
             for site in record["sites"]:
-                tag = f"monitor/{site['direction']}/{site['scope']}/{site['name']}"
+                # TensorBoard tags take no brackets: dot_general[0].out -> dot_general_0.out
+                name = site["name"].replace("[", "_").replace("]", "")
+                tag = f"monitor/{site['direction']}/{site['scope']}/{name}"
                 headroom = headroom_bits(site["amax"], site["dtype"])
                 if math.isfinite(headroom):
                     self._writer.add_scalar(f"{tag}/headroom_bits", headroom, record["step"])
