@@ -230,7 +230,9 @@ def test_rows_derive_headroom_and_fractions():
             return jnp.ones((1, 2), jnp.float16) @ w
 
     _, stats = jaxamp.monitor(fn)(w)
-    row = next(r for r in stats.rows() if r["name"] == "dot_general[0].rhs")
+    rows = stats.rows()
+    np.testing.assert_array_equal(stats.field("amax"), [r["amax"] for r in rows])
+    row = next(r for r in rows if r["name"] == "dot_general[0].rhs")
     assert row["headroom_bits"] == pytest.approx(math.log2(65504 / 60000))
     assert row["underflow_fraction"] == pytest.approx(1 / 3)
     assert row["above_fraction"] == pytest.approx(1 / 4)
@@ -254,4 +256,5 @@ def test_flax_nnx_objects_get_an_error_that_says_what_to_monitor_instead():
     graphdef, state = nnx.split(model)
     forward = jaxamp.amp(lambda s, x: nnx.merge(graphdef, s)(x), compute_dtype="bf16")
     out, stats = jax.jit(jaxamp.monitor(forward))(state, jnp.ones((2, 4)))
-    assert out.shape == (2, 4) and [s.name for s in stats.sites][:3] == [f"dot_general[0].{r}" for r in ("lhs", "rhs", "out")]
+    names = [s.name for s in stats.sites][:3]
+    assert out.shape == (2, 4) and names == [f"dot_general[0].{r}" for r in ("lhs", "rhs", "out")]

@@ -38,8 +38,9 @@ class MonitorStats:
             ``max(dtype) / 2**headroom_bits`` (``above``), inf/NaN entries
             (``nonfinite``), and the nonzero entries below ``2^-14``,
             ``2^-20``, ``2^-26``, ``2^-32`` (float16's smallest normal, and
-            for cotangents the same under loss scales 2^6, 2^12, 2^18). A site inside a loop
-            or a `shard_map` body combines its iterations and devices.
+            for cotangents the same under loss scales 2^6, 2^12, 2^18). A
+            site inside a loop or a `shard_map` body combines its iterations
+            and devices.
         sites: what each row measures (`jaxamp.monitor`'s `Site`).
         headroom_bits: the threshold the ``above`` counts used.
     """

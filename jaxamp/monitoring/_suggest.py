@@ -109,9 +109,11 @@ def suggest_policy(records: Any, *, stable_bits: float = 1.0) -> PolicySuggestio
       or have more than 1% of their nonzero entries below its smallest
       normal, as float16 would see them, whatever dtype the run itself used
       (near overflow first, then by the fraction lost).
-    * **loss scaling**: from the cotangents' counts below float16's smallest
-      normal under loss scales ``2^0, 2^6, 2^12, 2^18`` (relative to the scale
-      each recorded step ran with, from the recorded loss-scale events),
+    * **loss scaling**: from the cotangents' counts (the gradient matmuls'
+      results and the values handed on in the backward pass) below float16's
+      smallest normal under loss scales ``2^0, 2^6, 2^12, 2^18`` (relative
+      to the scale each recorded step ran with, from the recorded loss-scale
+      events),
       whether float16 needs loss scaling, and the range of scales that keeps
       the fraction of nonzero cotangents lost to underflow below 1% while
       the largest cotangent stays below half of 65504.
@@ -198,6 +200,8 @@ def _loss_scaling(stats: list[dict], scales: list[tuple[int, float]]) -> dict[st
         for site in record["sites"]:
             if site["direction"] != "backward" or not site["nonzero"] or _scaled(site):
                 continue
+            if site["name"].endswith((".lhs", ".rhs")):
+                continue  # a gradient matmul's other operand is a forward value: its results are the cotangents
             stored_f16 |= site["dtype"] == "float16"
             largest = max(largest, site["amax"] / 2.0**run_exponent)
             for e in LOSS_SCALE_EXPONENTS:
