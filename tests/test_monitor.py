@@ -127,6 +127,17 @@ def test_scan_combines_iterations_and_remat_is_not_measured_twice():
     np.testing.assert_array_equal(found[("forward", "cell", "dot_general[0].out")], combined(per_iteration))
     # The backward pass recomputes each layer under remat: not measured again.
     assert not any(s.direction == "backward" and s.name.endswith("[2].out") for s in stats.sites)
+    # Backward, layer by layer from the last: the gradient matmuls' results
+    # (of the layer's input and of its weight), combined over iterations.
+    layer = jax.jit(jax.vjp, static_argnums=0)
+    ct, grads_h, grads_w = jnp.ones((4, 8), BF16), [], []
+    for h, w in reversed(list(zip(hs[:-1], ws))):
+        _, pullback = layer(lambda h, w: jnp.tanh(h @ w), h, w.astype(BF16))
+        ct, grad_w = pullback(ct)
+        grads_h.append(reference(ct))
+        grads_w.append(reference(grad_w))
+    backward = sorted(tuple(v) for (d, scope, name), v in found.items() if d == "backward" and name.endswith(".out"))
+    assert backward == sorted([tuple(combined(grads_h)), tuple(combined(grads_w))])
 
 
 def test_cond_and_while_measure_what_ran():
@@ -171,6 +182,17 @@ def test_shard_map_stacks_devices_and_counts_replicated_values_once():
     found = by_site(stats)
     np.testing.assert_array_equal(found[("forward", "layer", "dot_general[0].lhs")], reference(x.astype(BF16)))
     np.testing.assert_array_equal(found[("forward", "layer", "dot_general[0].rhs")], reference(params[0].astype(BF16)))
+
+    # Backward: the sum's cotangent is ones; per device, the weight's gradient
+    # matmul is that device's x^T @ ones, its result combined over devices.
+    with jax.set_mesh(mesh):
+        _, stats = jax.jit(jaxamp.monitor(jax.grad(loss)))(params[0], xs)
+    backward = [v for (d, scope, name), v in by_site(stats).items() if d == "backward" and name.endswith(".out")]
+    shards = np.split(np.asarray(x.astype(BF16)), len(devices))
+    ones = jnp.ones((shards[0].shape[0], params[0].shape[1]), BF16)
+    per_device = [reference(ones.T @ jnp.asarray(shard)) for shard in shards]  # as JAX transposes it
+    assert len(backward) == 1
+    np.testing.assert_array_equal(backward[0], combined(per_device))
 
 
 def test_fp8_operands_report_their_scale_and_the_amax_quantised():
