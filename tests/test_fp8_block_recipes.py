@@ -9,6 +9,8 @@ sum of dequantised per-block products, and on power-of-two operands (exact in
 e4m3 under power-of-two scales) every gradient equals float32's.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -74,9 +76,8 @@ def _bits(q):
 
 
 def test_mxfp8_quantiser_equals_jax_scaled_dot_general_and_the_ocp_rule_bit_for_bit():
-    from jax._src.cudnn.scaled_matmul_stablehlo import quantize as jax_quantize
-
     from jax._src.cudnn.scaled_matmul_stablehlo import e8m0_to_dtype
+    from jax._src.cudnn.scaled_matmul_stablehlo import quantize as jax_quantize
 
     x = _edge_cases()
     q, scales = quantize_blocks(jnp.asarray(x), 1, 32, "mxfp8")
@@ -189,6 +190,30 @@ def test_sizes_the_block_does_not_divide_run_tensorwise_and_say_why():
     notes = str(jaxamp.explain(lambda a, b: a @ b, compute_dtype=jaxamp.Fp8Recipe(
         scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1))(x, w))
     assert "(mxfp8: rows 8 is not a multiple of the block size 32)" in notes or "contraction 48" in notes, notes
+
+
+def test_a_matmul_a_recipe_cannot_take_warns_once_and_says_why(monkeypatch):
+    from jaxamp.transform import _interpreter
+
+    monkeypatch.setattr(_interpreter, "_warned", set())
+    recipe = jaxamp.Fp8Recipe(scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1)
+    x, w = jnp.ones((8, 48)), jnp.ones((48, 64))
+    with pytest.warns(UserWarning, match=r"scaling='mxfp8'\) runs a dot_general with per-tensor scales instead: "
+                      r"\w+ \d+ is not a multiple of the block size 32"):
+        jax.grad(lambda w: jnp.sum(jaxamp.amp(lambda a, b: a @ b, compute_dtype=recipe)(x, w)))(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        jax.grad(lambda w: jnp.sum(jaxamp.amp(lambda a, b: a @ b, compute_dtype=recipe)(x, w)))(w)
+
+    rowwise = jaxamp.Fp8Recipe(scaling="rowwise", keep_last_matmul_bf16=False, gemm_multiple=1)
+    image, kernel = jnp.ones((2, 32, 8, 8)), jnp.ones((32, 32, 3, 3))
+
+    def conv(image, kernel):
+        return jax.lax.conv_general_dilated(image, kernel, (1, 1), "SAME")
+
+    with pytest.warns(UserWarning, match="scaling='rowwise'.*conv_general_dilated.*a convolution"):
+        jaxamp.amp(conv, compute_dtype=rowwise)(image, kernel)
+    assert "(rowwise: a convolution" in str(jaxamp.explain(conv, compute_dtype=rowwise)(image, kernel))
 
 
 def test_block_recipes_reject_power_of_two_scales_off():

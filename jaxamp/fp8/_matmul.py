@@ -229,6 +229,11 @@ class Fp8MatmulRule:
                 recipe, scaling="tensorwise", power_of_two_scales=True, gradient_format=dtype_short_name(gradient)
             )
             description = formats(name, tensorwise) + f" ({recipe.scaling}: {unblocked})"
+        elif name == "conv_general_dilated" and recipe.scaling != "tensorwise":
+            unblocked = "a convolution, which it does not scale by rows or blocks"
+            description += f" ({recipe.scaling}: {unblocked})"
+        if unblocked:
+            _warn_fallback(recipe.scaling, name, unblocked)
         if isinstance(scheme, PerShard):
             description += f", a scale per shard along {', '.join(shard_axes(shards))}"
         linear = linear_operands(eqn)
@@ -282,6 +287,17 @@ class Fp8MatmulRule:
         if flops < self.recipe.min_flops:
             return f"{flops} FLOPs < min_flops {self.recipe.min_flops}"
         return ""
+
+
+def _warn_fallback(scaling: str, name: str, reason: str) -> None:
+    """Say once per recipe and kind of reason that a matmul runs per-tensor instead."""
+    kind = "explicit" if "Explicit" in reason else "block size" if "block size" in reason else name
+    warn_once(
+        ("fp8_fallback", f"{scaling}:{kind}"),
+        f"jaxamp fp8 mode: Fp8Recipe(scaling={scaling!r}) runs a {name} with per-tensor scales instead: "
+        f"{reason}. jaxamp.explain(fn, compute_dtype=recipe)(*args) lists every matmul this happens to.",
+        UserWarning,
+    )
 
 
 def _why_not_blocked(eqn: Any, lhs: Any, rhs: Any, scaling: str) -> str:
