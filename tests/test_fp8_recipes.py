@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jaxpr_walk import matmul_operand_dtypes
+from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 
 import jaxamp
-from jaxamp import Fp8Recipe
-from jaxamp import _compat
+from jaxamp import Fp8Recipe, _compat
 from jaxamp.fp8._matmul import quantize
 
 KEYS = jax.random.split(jax.random.key(0), 8)
@@ -116,6 +115,7 @@ def test_explain_names_the_recipe():
     assert detail(_recipe("rowwise")).endswith("scaling: current, rowwise, power-of-two scales")
     assert "(weight gradient bf16); scaling: current, rowwise" in detail(_recipe("rowwise_with_gw_hp"))
     assert detail(_recipe("tensorwise", power_of_two_scales=True)).endswith("scaling: current, power-of-two scales")
+    assert detail(_recipe("tensorwise", fast_accumulation="none")).endswith("scaling: current; fast accumulation: none")
 
 
 @pytest.mark.parametrize(
@@ -151,3 +151,33 @@ def test_rowwise_with_gw_hp_makes_the_weight_gradient_bf16_accurate():
     }  # fmt: skip
     assert errors["rowwise_with_gw_hp"][1] < 0.01 < errors["rowwise"][1] < 0.1, errors
     assert errors["rowwise_with_gw_hp"][0] == errors["rowwise"][0], errors
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "mxfp8", "blockwise"])
+def test_fast_accumulation_is_recorded_on_each_passs_float8_gemms(scaling):
+    """Forward GEMMs may accumulate fast (Precision.DEFAULT), gradient GEMMs not
+    (HIGHEST) by default, as Transformer Engine and flax's fp8 ops; on a CPU the
+    results are the same whichever is chosen."""
+    x, w = jax.random.normal(jax.random.key(0), (128, 128)), jax.random.normal(jax.random.key(1), (128, 128))
+    fast, full = (jax.lax.Precision.DEFAULT,) * 2, (jax.lax.Precision.HIGHEST,) * 2
+    grads = {}
+    for option, forward, gradient in (("forward", fast, full), ("all", fast, fast), ("none", full, full)):
+        recipe = jaxamp.Fp8Recipe(
+            scaling=scaling, keep_last_matmul_bf16=False, gradient_format="e5m2", fast_accumulation=option
+        )
+        loss = jaxamp.amp(lambda w, x: jnp.sum(jnp.tanh(x @ w)), compute_dtype=recipe)
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(w, x)
+        seen = {"forward": set(), "gradient": set()}
+        for eqn in iter_eqns(jaxpr):
+            dtypes = {str(v.aval.dtype) for v in eqn.invars[:2]}
+            if eqn.primitive.name == "dot_general" and all(d.startswith("float8") for d in dtypes):
+                seen["gradient" if "float8_e5m2" in dtypes else "forward"].add(tuple(eqn.params["precision"]))
+        assert seen == {"forward": {forward}, "gradient": {gradient}}, (option, seen)
+        grads[option] = jax.grad(loss)(w, x)
+    np.testing.assert_array_equal(grads["forward"], grads["all"])
+    np.testing.assert_array_equal(grads["forward"], grads["none"])
+
+
+def test_fast_accumulation_rejects_other_names():
+    with pytest.raises(ValueError, match=r"fast_accumulation must be one of \('forward', 'all', 'none'\), got 'bwd'"):
+        jaxamp.Fp8Recipe(fast_accumulation="bwd")

@@ -107,6 +107,7 @@ def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
             f"float8 e4m3 x e4m3 -> f32; {backward}; scaling: "
             + ("mxfp8, blocks of 32, e8m0 scales" if recipe.scaling == "mxfp8" else
                "blockwise, 1x128 tiles (the right operand 128x128), power-of-two scales")
+            + _accumulation(recipe)
         )  # fmt: skip
     elif primitive_name == "dot_general" and recipe.scaling != "tensorwise":
         scaling = "current, rowwise"
@@ -116,7 +117,12 @@ def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
         scaling = "current"
     if recipe.rounds_scales_to_powers_of_two and primitive_name != "ragged_dot_general":
         scaling += ", power-of-two scales"
-    return f"float8 e4m3 x e4m3 -> f32; {backward}; scaling: {scaling}"
+    return f"float8 e4m3 x e4m3 -> f32; {backward}; scaling: {scaling}{_accumulation(recipe)}"
+
+
+def _accumulation(recipe: Fp8Recipe) -> str:
+    # Said when not the default (forward GEMMs only, as Transformer Engine).
+    return "" if recipe.fast_accumulation == "forward" else f"; fast accumulation: {recipe.fast_accumulation}"
 
 
 # --- the rule -----------------------------------------------------------------
@@ -211,19 +217,19 @@ class Fp8MatmulRule:
         description = formats(name, recipe)
         blocked = name == "dot_general" and recipe.scaling in BLOCK_SCALINGS
         unblocked = _why_not_blocked(eqn, lhs, rhs, recipe.scaling) if blocked else ""
-        gradient = recipe.gradient_dtype(name)
+        gradient, precisions = recipe.gradient_dtype(name), recipe.accumulation_precisions()
         if name == "ragged_dot_general":
-            scheme = PerGroup(bind_params, compute_dtype, gradient)
+            scheme = PerGroup(bind_params, compute_dtype, gradient, precisions)
         elif blocked and not unblocked:
-            scheme = BlockScaled(bind_params, compute_dtype, recipe.scaling, gradient)
+            scheme = BlockScaled(bind_params, compute_dtype, recipe.scaling, gradient, precisions)
         elif name == "dot_general" and recipe.scaling in ("rowwise", "rowwise_with_gw_hp"):
             weight_gradient_hp = recipe.scaling == "rowwise_with_gw_hp"
-            scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp, gradient)
+            scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp, gradient, precisions)
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))
-            scheme = PerShard(bind_params, *avals, *shards, compute_dtype, power_of_two, gradient)
+            scheme = PerShard(bind_params, *avals, *shards, compute_dtype, power_of_two, gradient, precisions)
         else:
-            scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two, gradient)
+            scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
         if unblocked:
             tensorwise = dataclasses.replace(
                 recipe, scaling="tensorwise", power_of_two_scales=True, gradient_format=dtype_short_name(gradient)

@@ -7,14 +7,16 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from jax import lax
 
-__all__ = ["BLOCK_SCALINGS", "FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe"]
+__all__ = ["BLOCK_SCALINGS", "FAST_ACCUMULATION", "FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe"]
 
 FP8_NAMES = ("fp8", "float8")
 """The `compute_dtype` names of fp8 mode (case and surrounding spaces ignored)."""
 SCALINGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
 """`Fp8Recipe.scaling` values (torchao's names, and NVIDIA's and Transformer Engine's block recipes)."""
 BLOCK_SCALINGS = ("mxfp8", "blockwise")
+FAST_ACCUMULATION = ("forward", "all", "none")
 """The scalings with a scale per block of each product's contraction (power-of-two scales)."""
 
 
@@ -107,10 +109,20 @@ class Fp8Recipe:
             recipe). Convolutions take one dtype on both sides, so their
             gradients run e4m3 x e4m3 whatever this says (``explain`` shows
             each matmul's formats).
+        fast_accumulation: which float8 GEMMs may accumulate fast (in
+            fewer bits, as Hopper's float8 tensor cores do unless told
+            otherwise): ``"forward"`` (the default: Transformer Engine's and
+            flax's fp8 ops' choice; the gradient GEMMs accumulate fully),
+            ``"all"`` or ``"none"``. Recorded as the emitted float8
+            ``dot_general``'s ``precision``, as flax's fp8 ops record it:
+            ``Precision.DEFAULT`` may accumulate fast, ``Precision.HIGHEST``
+            may not (XLA's GPU float8 GEMMs read it; on a CPU both
+            accumulate in float32).
 
     Raises:
         TypeError: a field of the wrong type.
-        ValueError: an unknown ``scaling`` or ``gradient_format``, a negative
+        ValueError: an unknown ``scaling``, ``gradient_format`` or
+            ``fast_accumulation``, a negative
             ``min_flops``, a ``min_contraction`` or ``gemm_multiple`` below 1,
             or ``power_of_two_scales=False`` with a block recipe.
     """
@@ -124,6 +136,7 @@ class Fp8Recipe:
     attention: bool = False
     grouped: bool = False
     gradient_format: str | None = None
+    fast_accumulation: str = "forward"
 
     def __post_init__(self) -> None:
         for name, least in (("min_flops", 0), ("min_contraction", 1), ("gemm_multiple", 1)):
@@ -150,6 +163,10 @@ class Fp8Recipe:
             raise ValueError(
                 f"Fp8Recipe.gradient_format must be None, 'e4m3' or 'e5m2', got {self.gradient_format!r}."
             )
+        if self.fast_accumulation not in FAST_ACCUMULATION:
+            raise ValueError(
+                f"Fp8Recipe.fast_accumulation must be one of {FAST_ACCUMULATION}, got {self.fast_accumulation!r}."
+            )
         for name in ("keep_last_matmul_bf16", "attention", "grouped"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
@@ -168,6 +185,12 @@ class Fp8Recipe:
             return np.dtype(ml_dtypes.float8_e4m3fn)
         name = self.gradient_format or ("e4m3" if self.scaling in BLOCK_SCALINGS else "e5m2")
         return np.dtype(ml_dtypes.float8_e4m3fn if name == "e4m3" else ml_dtypes.float8_e5m2)
+
+    def accumulation_precisions(self) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        """``(forward, gradient)``: the ``precision`` of the float8 GEMMs of each pass (`fast_accumulation`)."""
+        fast, full = (lax.Precision.DEFAULT,) * 2, (lax.Precision.HIGHEST,) * 2
+        forward = fast if self.fast_accumulation in ("forward", "all") else full
+        return forward, fast if self.fast_accumulation == "all" else full
 
     @property
     def rounds_scales_to_powers_of_two(self) -> bool:

@@ -41,9 +41,13 @@ BLOCK_SIZE = {"mxfp8": 32, "blockwise": 128}
 """The block length along the contraction of each block recipe."""
 
 
-def _accumulating(params: dict) -> dict:
-    """A matmul's bind parameters, accumulating in float32."""
-    return dict(params, preferred_element_type=_F32)
+def _accumulating(params: dict, precision: Any = None) -> dict:
+    """A matmul's bind parameters, accumulating in float32, with `precision`
+    (`Fp8Recipe.accumulation_precisions`) when given."""
+    params = dict(params, preferred_element_type=_F32)
+    if precision is not None:
+        params["precision"] = precision
+    return params
 
 
 def _tangent_product(scheme: Any, side: str, t: Any, other: Any, rest: tuple = ()) -> Any:
@@ -76,13 +80,14 @@ class Tensorwise:
     out_dtype: Any
     power_of_two: bool = False
     gradient_format: Any = E5M2
+    precisions: tuple = (None, None)  # forward, gradient (`Fp8Recipe.accumulation_precisions`)
 
     def quantize(self, side, x, rest):
         return quantize(x, E4M3, self.power_of_two)
 
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
-        out = self.primitive.bind(q_lhs, q_rhs, *rest, **_accumulating(self.params))
+        out = self.primitive.bind(q_lhs, q_rhs, *rest, **_accumulating(self.params, self.precisions[0]))
         return (out * (s_lhs * s_rhs)).astype(self.out_dtype)
 
     def tangent(self, side, other, t, rest):
@@ -93,7 +98,8 @@ class Tensorwise:
         q, s = other
         q_g, s_g = quantize(g, self.gradient_format, self.power_of_two)
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, aval, q), rest, _accumulating(self.params), _F32, only=side
+            self.primitive, q_g, *_pair(side, aval, q), rest, _accumulating(self.params, self.precisions[1]), _F32,
+            only=side,
         )
         # Integer operands (a ragged dot's group sizes) get no cotangent.
         return (_chosen(side, found) * (s_g * s)).astype(aval.dtype)
@@ -117,6 +123,7 @@ class Rowwise:
     power_of_two: bool
     weight_gradient_hp: bool
     gradient_format: Any = E5M2
+    precisions: tuple = (None, None)  # forward, gradient (`Fp8Recipe.accumulation_precisions`)
 
     @property
     def primitive(self) -> Any:
@@ -138,7 +145,7 @@ class Rowwise:
         lf, rf, batch, out_lf, out_rf = self._layout(lhs.ndim, rhs.ndim)
         q_lhs, s_lhs = quantize_along(lhs, E4M3, lc, self.power_of_two)
         q_rhs, s_rhs = quantize_along(rhs, E4M3, rc, self.power_of_two)
-        out = self.primitive.bind(q_lhs, q_rhs, **_accumulating(self.params))
+        out = self.primitive.bind(q_lhs, q_rhs, **_accumulating(self.params, self.precisions[0]))
         to_out_lhs = {**dict(zip(lb, batch)), **dict(zip(lf, out_lf))}
         to_out_rhs = {**dict(zip(rb, batch)), **dict(zip(rf, out_rf))}
         out = out * place(s_lhs, sorted(to_out_lhs), to_out_lhs, out.shape)
@@ -166,7 +173,8 @@ class Rowwise:
         q_g, s_g = quantize_along(g, self.gradient_format, g_contracted, self.power_of_two)
         q_other, s_other = quantize_along(other, E4M3, other_contracted, self.power_of_two)
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, aval, q_other), (), _accumulating(self.params), _F32, only=side
+            self.primitive, q_g, *_pair(side, aval, q_other), (), _accumulating(self.params, self.precisions[1]), _F32,
+            only=side,
         )
         d = _chosen(side, found) * place(s_g, sorted(g_to), g_to, aval.shape)
         return (d * place(s_other, sorted(other_to), other_to, aval.shape)).astype(aval.dtype)
@@ -186,6 +194,7 @@ class PerGroup:
     params: dict
     out_dtype: Any
     gradient_format: Any = E5M2
+    precisions: tuple = (None, None)  # forward, gradient (`Fp8Recipe.accumulation_precisions`)
 
     @property
     def primitive(self) -> Any:
@@ -207,7 +216,7 @@ class PerGroup:
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs), (group_sizes,) = lhs, rhs, rest
         ids = self._group_ids(group_sizes, q_lhs.shape[0])
-        out = self.primitive.bind(q_lhs, q_rhs, group_sizes, **_accumulating(self.params))
+        out = self.primitive.bind(q_lhs, q_rhs, group_sizes, **_accumulating(self.params, self.precisions[0]))
         return (out * (s_lhs * s_rhs)[ids][:, None]).astype(self.out_dtype)
 
     def tangent(self, side, other, t, rest):
@@ -223,7 +232,8 @@ class PerGroup:
         ids = self._group_ids(group_sizes, g.shape[0])
         q_g, s_g = quantize_rows_by_group(g, self.gradient_format, ids, group_sizes.shape[0])
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, aval, q), [group_sizes], _accumulating(self.params), _F32, only=side
+            self.primitive, q_g, *_pair(side, aval, q), [group_sizes], _accumulating(self.params, self.precisions[1]),
+            _F32, only=side,
         )
         scale = (s_g * s)[ids][:, None] if side == "lhs" else (s_g * s)[:, None, None]
         return (_chosen(side, found) * scale).astype(aval.dtype)
@@ -247,7 +257,8 @@ def _free_and_flat(x: Any, contracting: Sequence[int], batch: Sequence[int], con
 
 
 def blocked_dot(
-    a: Any, b: Any, dimension_numbers: Any, block: int, mode: str, b_free_block: int = 1, a_format: Any = E4M3
+    a: Any, b: Any, dimension_numbers: Any, block: int, mode: str, b_free_block: int = 1, a_format: Any = E4M3,
+    precision: Any = None,
 ) -> Any:
     """``dot_general(a, b)`` in e4m3 with a scale per block of `block` along the contraction.
 
@@ -259,6 +270,7 @@ def blocked_dot(
     accumulating in float32), each block's partial product is rescaled by its
     two scales, and the blocks are summed: what a block-scaled float8 GEMM
     computes. Returns float32, laid out as ``dot_general``'s result.
+    `precision`: the float8 product's (`Fp8Recipe.accumulation_precisions`).
     """
     (ac, bc), (ab, bb) = dimension_numbers
     nb = len(ab)
@@ -275,7 +287,7 @@ def blocked_dot(
     batch_dims = tuple(range(nb))
     out = lax.dot_general(
         q_a, q_b, (((nb + 2,), (nb + 1,)), ((*batch_dims, nb + 1), (*batch_dims, nb))),
-        preferred_element_type=_F32,
+        precision=precision, preferred_element_type=_F32,
     )  # [batch, K/block, F, G]
     s_a = lax.transpose(s_a, (*batch_dims, nb + 1, nb))  # [batch, K/block, F]
     out = out * lax.broadcast_in_dim(s_a, out.shape, tuple(range(nb + 2)))
@@ -332,6 +344,7 @@ class BlockScaled:
     out_dtype: Any
     mode: str
     gradient_format: Any = E4M3
+    precisions: tuple = (None, None)  # forward, gradient (`Fp8Recipe.accumulation_precisions`)
 
     @property
     def primitive(self) -> Any:
@@ -354,7 +367,8 @@ class BlockScaled:
     def product(self, lhs, rhs, rest):
         (_, rc), (_, rb) = self.params["dimension_numbers"]
         weight_block = self._weight_block(rhs, rc, rb)
-        out = blocked_dot(lhs, rhs, self.params["dimension_numbers"], self.block, self.mode, weight_block)
+        dims = self.params["dimension_numbers"]
+        out = blocked_dot(lhs, rhs, dims, self.block, self.mode, weight_block, precision=self.precisions[0])
         return out.astype(self.out_dtype)
 
     def tangent(self, side, other, t, rest):
@@ -367,7 +381,7 @@ class BlockScaled:
         # (for the input's gradient) keeps its 2D tiles.
         (_, oc), (_, ob) = dims
         weight_block = self._weight_block(other, oc, ob) if side == "lhs" else 1
-        d = blocked_dot(g, other, dims, self.block, self.mode, weight_block, self.gradient_format)
+        d = blocked_dot(g, other, dims, self.block, self.mode, weight_block, self.gradient_format, self.precisions[1])
         return lax.transpose(d, order).astype(aval.dtype)
 
 
@@ -484,10 +498,11 @@ class PerShard:
         return _compat.primitives_by_name()["dot_general"]
 
     def __init__(
-        self, params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False, gradient_format=E5M2
+        self, params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False, gradient_format=E5M2,
+        precisions=(None, None),
     ):
         self.params, self.out_dtype, self.power_of_two = params, out_dtype, power_of_two
-        self.gradient_format = gradient_format
+        self.gradient_format, self.precisions = gradient_format, precisions
         self.avals = {"lhs": lhs_aval, "rhs": rhs_aval}
         (lc, rc), (lb, rb) = params["dimension_numbers"]
         self.order = {"lhs": sorted(lhs_blocks), "rhs": sorted(rhs_blocks)}
@@ -584,7 +599,10 @@ class PerShard:
 
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
-        out = self.primitive.bind(self._with_front("lhs", q_lhs), self._with_front("rhs", q_rhs), **self.blocked_params)
+        out = self.primitive.bind(
+            self._with_front("lhs", q_lhs), self._with_front("rhs", q_rhs),
+            **_accumulating(self.blocked_params, self.precisions[0]),
+        )
         for side, s in (("lhs", s_lhs), ("rhs", s_rhs)):
             dims = self.block_dims[side]
             out = out * place(s, range(len(dims)), dict(enumerate(dims)), out.shape)
@@ -614,8 +632,8 @@ class PerShard:
         shape, spec = self._blocked_layout(side)
         blocked = aval.update(shape=shape, dtype=_F32, sharding=NamedSharding(aval.sharding.mesh, P(*spec)))
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, blocked, self._with_front(other_side, q_other)), (), self.blocked_params,
-            _F32, only=side,
+            self.primitive, q_g, *_pair(side, blocked, self._with_front(other_side, q_other)), (),
+            _accumulating(self.blocked_params, self.precisions[1]), _F32, only=side,
         )
         d = _chosen(side, found)
         # `d` is [the other operand's shards, this one's split layout]; `s_g`
