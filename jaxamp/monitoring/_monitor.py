@@ -100,9 +100,13 @@ def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callab
     bodies are measured; a loop's iterations and a shard_map's devices
     combine into one row (maxima of magnitudes, sums of counts).
 
-    The function's own outputs are computed as without the monitor; the
-    statistics add one fused reduction per measured value (see
-    `benchmarks`, "monitor overhead"). An unmonitored function is untouched.
+    The function's own equations are re-emitted unchanged; the statistics
+    add one fused reduction per measured value (see `benchmarks`, "monitor
+    overhead"). XLA may fuse the monitored program differently, and where it
+    keeps a half-precision intermediate in float32 inside a fusion (its
+    default excess precision) the outputs can differ from the unmonitored
+    step's in the last bits (``XLA_FLAGS=--xla_allow_excess_precision=false``
+    makes both round every value). An unmonitored function is untouched.
 
     Args:
         fn: any function of arrays (and static Python values) that JAX can
