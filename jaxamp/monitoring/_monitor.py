@@ -102,11 +102,10 @@ def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callab
 
     The function's own equations are re-emitted unchanged; the statistics
     add one fused reduction per measured value (see `benchmarks`, "monitor
-    overhead"). XLA may fuse the monitored program differently, and where it
-    keeps a half-precision intermediate in float32 inside a fusion (its
-    default excess precision) the outputs can differ from the unmonitored
-    step's in the last bits (``XLA_FLAGS=--xla_allow_excess_precision=false``
-    makes both round every value). An unmonitored function is untouched.
+    overhead"). XLA may fuse the monitored program differently (the order
+    of a sum, where a half-precision intermediate is rounded), so its
+    outputs can differ from the unmonitored step's in the last bits. An
+    unmonitored function is untouched.
 
     Args:
         fn: any function of arrays (and static Python values) that JAX can
