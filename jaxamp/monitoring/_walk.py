@@ -262,17 +262,23 @@ def _fp8_source(v: Any, producers: dict, read) -> tuple[Any, Any] | None:
 # --- higher-order equations --------------------------------------------------------
 
 
-def _trace_body(state: _Walk, ctx: _Context, jaxpr: Any, consts: Sequence[Any], avals: Sequence[Any]):
-    """`jaxpr` walked and traced: a closed jaxpr returning its outputs then its
-    vectors, and the vectors' sites."""
-    sites: list = []
+def _walked(state: _Walk, ctx: _Context, jaxpr: Any, consts: Sequence[Any], sites: list, each=None):
+    """A body function running `jaxpr` walked: its outputs, then its vectors
+    (through `each` when given); the vectors' sites go into `sites` when JAX traces it."""
 
     def body(*args):
         outs, taps = _run(state, jaxpr, consts, args, ctx)
         sites[:] = [s for s, _ in taps]
-        return [*outs, *(x for _, x in taps)]
+        return [*outs, *(x if each is None else each(x) for _, x in taps)]
 
-    return _compat.trace_to_closed_jaxpr(body, avals), sites
+    return body
+
+
+def _trace_body(state: _Walk, ctx: _Context, jaxpr: Any, consts: Sequence[Any], avals: Sequence[Any]):
+    """`jaxpr` walked and traced: a closed jaxpr returning its outputs then its
+    vectors, and the vectors' sites."""
+    sites: list = []
+    return _compat.trace_to_closed_jaxpr(_walked(state, ctx, jaxpr, consts, sites), avals), sites
 
 
 def _split(outs: Sequence[Any], count: int, sites: list) -> tuple[list, Taps]:
@@ -309,12 +315,7 @@ def _inline(param: str):
 def _remat(state, ctx, eqn, invals):
     jaxpr = eqn.params["jaxpr"]
     sites: list = []
-
-    def body(*args):
-        outs, taps = _run(state, jaxpr, (), args, ctx)
-        sites[:] = [s for s, _ in taps]
-        return [*outs, *(x for _, x in taps)]
-
+    body = _walked(state, ctx, jaxpr, (), sites)
     traced, consts = _compat.trace_to_jaxpr_with_consts_as_inputs(body, [v.aval for v in jaxpr.invars])
     with _compat.eqn_source(eqn):
         outs = _compat.remat_p.bind(*consts, *invals, **dict(eqn.params, jaxpr=traced.jaxpr))
@@ -400,12 +401,7 @@ def _shard_map(state, ctx, eqn, invals):
     jaxpr = eqn.params["jaxpr"]
     sites: list = []
     count = len(jaxpr.outvars)
-
-    def body(*args):
-        outs, taps = _run(state, jaxpr, (), args, ctx)
-        sites[:] = [s for s, _ in taps]
-        return [*outs, *(_per_device(x, axes) for _, x in taps)]
-
+    body = _walked(state, ctx, jaxpr, (), sites, each=lambda x: _per_device(x, axes))
     spec = PartitionSpec(names)
     params = _compat.shard_map_body(eqn.params, body, extra_out_specs=lambda: [spec] * len(sites))
     with _compat.eqn_source(eqn):
