@@ -132,6 +132,9 @@ def test_the_badly_scaled_layer_is_named_first_by_the_report_compare_and_suggest
     assert suggestion.keep_float32[0].scope == "tiny"
     assert "below float16's smallest normal" in suggestion.keep_float32[0].reason
     assert "'tiny': jaxamp.use_original_precision" in str(suggestion)
+    pasted = {"jaxamp": jaxamp}
+    exec(str(suggestion), pasted)  # what it prints is Python to paste
+    assert pasted["amp_policy"]["tiny"] is jaxamp.use_original_precision
     assert suggestion.amp_policy_entries == {"tiny": "use_original_precision"}
 
     comparison = jaxamp.compare(loss, compute_dtype="f16")(params, x)
@@ -150,21 +153,45 @@ def test_the_png_report_has_its_size_and_pixels(tmp_path):
     assert np.mean(image[..., :3] < 0.9) > 0.02  # drawn, not blank
 
 
+def _site(direction, scope, name, **fields):
+    site = dict(direction=direction, scope=scope, name=name, dtype="bfloat16", fp8=False, handed_in=False,
+                amax=1.0, source_amax=0.0, scale=0.0, values=100.0, nonzero=100.0, underflow=0.0, above=0.0,
+                nonfinite=0.0, **{f"below_2^-{14 + e}": 0.0 for e in (0, 6, 12, 18)})  # fmt: skip
+    return site | fields
+
+
 def test_suggest_policy_reads_the_loss_scale_range_from_cotangents():
-    recorder, _, _ = train(steps=4, every=1)
-    suggestion = jaxamp.suggest_policy(recorder)
-    assert suggestion.loss_scale is not None
-    assert suggestion.loss_scale.verdict in ("loss_scale", "no_loss_scale")
-    if suggestion.scale_range is not None:
-        low, high = suggestion.scale_range
-        assert low <= high and f"2^{low} to 2^{high}" in suggestion.loss_scale.reason
+    # Cotangents of largest magnitude 2 (at scale 1): scales up to 2^13 keep them
+    # below half of 65504. Half their nonzero entries are below 2^-14, 5% below
+    # 2^-20, none below 2^-26: a scale of 2^12 is the smallest recorded one with
+    # less than 1% lost. A gradient matmul's forward operand (its huge amax) is
+    # not a cotangent and must not narrow the range.
+    cotangent = _site("backward", "layer", "dot_general[0].out", amax=2.0,
+                      **{"below_2^-14": 50.0, "below_2^-20": 5.0})  # fmt: skip
+    operand = _site("backward", "layer", "dot_general[0].rhs", amax=1e6, **{"below_2^-14": 100.0})
+    records = [
+        dict(kind="loss_scale", step=0, loss_scale=1.0, skipped=False, event="start"),
+        dict(kind="stats", step=0, headroom_bits=4.0, sites=[cotangent, operand]),
+    ]
+    suggestion = jaxamp.suggest_policy(records)
+    assert suggestion.loss_scale.verdict == "loss_scale" and suggestion.scale_range == (12, 13)
+    assert "50.00% at 2^0, 5.00% at 2^6, 0.00% at 2^12" in suggestion.loss_scale.reason
+    pasted = {"jaxamp": jaxamp}
+    exec(str(suggestion), pasted)  # what it prints is Python to paste
+    assert float(pasted["scaler"].min_scaler) == 2.0**12 and float(pasted["scaler"].max_scaler) == 2.0**13
+    # Recorded at a loss scale of 2^10, the counts are relative to it: 5% lost
+    # at 2^10, none at 2^16, but 2^16 would overflow (2048 / 2^10 = 2 unscaled).
+    scaled = dict(cotangent, amax=2.0 * 2**10, **{"below_2^-14": 5.0, "below_2^-20": 0.0})
+    records = [dict(records[0], loss_scale=2.0**10), dict(records[1], sites=[scaled])]
+    at_scale = jaxamp.suggest_policy(records)
+    assert at_scale.scale_range is None
+    assert "5.00% at 2^10, 0.00% at 2^16" in at_scale.loss_scale.reason
+    assert "scales above 2^13 would overflow the largest cotangent (2)" in at_scale.loss_scale.reason
 
 
 def test_fp8_stability_flags_a_jumping_amax():
     def record(step, amax):
-        site = dict(direction="forward", scope="proj", name="dot_general[0].lhs", dtype="bfloat16", fp8=False,
-                    amax=amax, source_amax=0.0, scale=0.0, values=4.0, nonzero=4.0, underflow=0.0, above=0.0,
-                    nonfinite=0.0, **{f"below_2^-{14 + e}": 0.0 for e in (0, 6, 12, 18)})  # fmt: skip
+        site = _site("forward", "proj", "dot_general[0].lhs", amax=amax)
         steady = dict(site, scope="steady", amax=1.0)
         return dict(kind="stats", step=step, headroom_bits=4.0, sites=[site, steady])
 
