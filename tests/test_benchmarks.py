@@ -279,3 +279,12 @@ def test_fp8_recipes_all_reduces_on_an_explicit_data_parallel_step():
     for name in ("tensorwise", "rowwise_with_gw_hp", "mxfp8", "blockwise"):
         assert counts[name] == counts["bf16"], counts
     assert counts["rowwise"] == counts["bf16"] + 1, counts
+
+
+def test_monitor_overhead_times_a_monitored_step_against_the_plain_one():
+    from benchmarks import monitor_overhead
+
+    result = monitor_overhead.overhead("tiny", "amp_f16_scaled", steps=2, warmup=1)
+    assert result["sites"] > 20  # forward and backward sites of a 2-layer GPT
+    assert result["plain_s"] > 0 and result["monitored_s"] > 0
+    assert result["ratio"] == result["monitored_s"] / result["plain_s"]
