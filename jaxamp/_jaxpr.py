@@ -12,6 +12,10 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
 from . import _compat
 
 __all__ = [
@@ -23,6 +27,7 @@ __all__ = [
     "matmuls_in",
     "merge_runs",
     "source_label",
+    "trace_array_leaves",
 ]
 
 # The primitives amp runs in the compute dtype: matmuls, convolutions and the
@@ -121,3 +126,40 @@ def source_label(eqn: Any, call_sites: Iterable[Any] = ()) -> str | None:
         if frame is not None:
             return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})"
     return None
+
+
+def trace_array_leaves(
+    fn: Callable, args: tuple, kwargs: dict, trace: Callable = _compat.trace_to_closed_jaxpr
+) -> tuple[Any, list, Any, Callable]:
+    """Trace ``fn(*args, **kwargs)`` with the array leaves of its arguments as inputs.
+
+    Every other leaf (Python scalars, strings, callables, Equinox static
+    fields) is static, as `equinox.filter_make_jaxpr` treats them, and so are
+    the non-array leaves of `fn`'s output.
+
+    Args:
+        trace: ``trace(flat_fn, in_avals) -> ClosedJaxpr`` (`_compat`'s tracers).
+
+    Returns:
+        ``(closed, flat_args, out_tree, rebuild)``: the jaxpr; its inputs; the
+        tree of `fn`'s array outputs; ``rebuild(outs)``, `fn`'s output from
+        the jaxpr's evaluated outputs.
+    """
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    flat_args, in_tree = jax.tree_util.tree_flatten(dynamic)
+    out_info: list = []
+
+    def flat_fn(*flat):
+        call_args, call_kwargs = eqx.combine(jax.tree_util.tree_unflatten(in_tree, flat), static)
+        out_dynamic, out_static = eqx.partition(fn(*call_args, **call_kwargs), eqx.is_array)
+        out_flat, out_tree = jax.tree_util.tree_flatten(out_dynamic)
+        out_info[:] = [out_tree, out_static]
+        return [jnp.asarray(x) for x in out_flat]
+
+    closed = trace(flat_fn, [_compat.abstract_value(x) for x in flat_args])
+    out_tree, out_static = out_info
+
+    def rebuild(outs: list) -> Any:
+        return eqx.combine(jax.tree_util.tree_unflatten(out_tree, outs), out_static)
+
+    return closed, flat_args, out_tree, rebuild

@@ -14,14 +14,13 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
 from ._casting import as_array, cast_value
 from ._dtypes import canonical_compute_dtype
+from ._jaxpr import trace_array_leaves
 from .fp8._matmul import with_fp8_matmuls
 from .fp8._recipe import FP8_NAMES, Fp8Recipe, as_recipe
 from .transform import _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
@@ -249,27 +248,12 @@ def _trace(fn: Callable, args: tuple, kwargs: dict):
     nnx_call = _nnx.lift(fn, args, kwargs)
     if nnx_call is not None:
         fn, args, kwargs = nnx_call.fn, nnx_call.args, nnx_call.kwargs
-    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-    flat_args, in_tree = jax.tree_util.tree_flatten(dynamic)
-    out_info: list = []
-
-    def flat_fn(*flat):
-        call_args, call_kwargs = eqx.combine(jax.tree_util.tree_unflatten(in_tree, flat), static)
-        out = fn(*call_args, **call_kwargs)
-        out_dynamic, out_static = eqx.partition(out, eqx.is_array)
-        out_flat, out_tree = jax.tree_util.tree_flatten(out_dynamic)
-        out_info[:] = [out_tree, out_static]
-        return [jnp.asarray(x) for x in out_flat]
-
-    in_avals = [_compat.abstract_value(x) for x in flat_args]
-    closed = _compat.trace_keeping_calls(flat_fn, in_avals)
-    out_tree = out_info[0]
+    closed, flat_args, out_tree, rebuild_out = trace_array_leaves(fn, args, kwargs, _compat.trace_keeping_calls)
     # The nnx call returns ``(out, state updates)``: out's leaves come first.
     num_outs = out_tree.num_leaves if nnx_call is None else out_tree.children()[0].num_leaves
 
     def rebuild(outs):
-        out_tree, out_static = out_info
-        out = eqx.combine(jax.tree_util.tree_unflatten(out_tree, outs), out_static)
+        out = rebuild_out(outs)
         return out if nnx_call is None else nnx_call.finish(out)
 
     stateless = nnx_call is None or nnx_call.holds_no_state

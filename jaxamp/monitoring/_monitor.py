@@ -8,12 +8,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
+from .._jaxpr import trace_array_leaves
 from ._measure import FIELDS, derived
 from ._walk import Site, walk
 
@@ -143,33 +143,16 @@ def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callab
                 "graphdef, state = nnx.split(model); jaxamp.monitor(lambda state, batch: "
                 "step(nnx.merge(graphdef, state), batch))(state, batch), returning the new state."
             )
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
-        if any(_compat.is_differentiation_tracer(leaves[i]) for i in dynamic):
+        if any(_compat.is_differentiation_tracer(x) for x in jax.tree_util.tree_leaves((args, kwargs))):
             raise TypeError(
                 "jaxamp.monitor'd function is being differentiated: the statistics of its "
                 "backward pass would be outside the program monitor sees. Monitor the function "
                 "that differentiates instead: jaxamp.monitor(jax.value_and_grad(loss)), not "
                 "jax.grad(jaxamp.monitor(loss))."
             )
-        out_structure: list = []
-
-        def flat(*arrays):
-            full = list(leaves)
-            for i, x in zip(dynamic, arrays):
-                full[i] = x
-            call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-            out_dynamic, out_static = eqx.partition(fn(*call_args, **call_kwargs), eqx.is_array)
-            outs, tree = jax.tree_util.tree_flatten(out_dynamic)
-            out_structure[:] = [tree, out_static]
-            return outs
-
-        values = [leaves[i] for i in dynamic]
-        closed = _compat.trace_to_closed_jaxpr(flat, [_compat.abstract_value(x) for x in values])
+        closed, values, _, rebuild = trace_array_leaves(fn, args, kwargs)
         outs, taps = walk(closed.jaxpr, closed.consts, values, headroom_bits)
         vectors = jnp.stack([x for _, x in taps]) if taps else jnp.zeros((0, len(FIELDS)), jnp.float32)
-        stats = MonitorStats(vectors, tuple(site for site, _ in taps), float(headroom_bits))
-        tree, out_static = out_structure
-        return eqx.combine(jax.tree_util.tree_unflatten(tree, outs), out_static), stats
+        return rebuild(outs), MonitorStats(vectors, tuple(site for site, _ in taps), float(headroom_bits))
 
     return monitored
