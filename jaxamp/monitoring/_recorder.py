@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._measure import FIELDS, headroom_bits
+from ._measure import FIELDS, derived
 from ._monitor import MonitorStats
 
 __all__ = ["MonitorRecorder", "load_records"]
@@ -143,11 +143,11 @@ class MonitorRecorder:
                 # TensorBoard tags take no brackets: dot_general[0].out -> dot_general_0.out
                 name = site["name"].replace("[", "_").replace("]", "")
                 tag = f"monitor/{site['direction']}/{site['scope']}/{name}"
-                headroom = headroom_bits(site["amax"], site["dtype"])
-                if math.isfinite(headroom):
-                    self._writer.add_scalar(f"{tag}/headroom_bits", headroom, record["step"])
+                figures = derived(site)  # the report's figures (a float8 value's headroom is its source's)
+                if math.isfinite(figures["headroom_bits"]):
+                    self._writer.add_scalar(f"{tag}/headroom_bits", figures["headroom_bits"], record["step"])
                 if site["nonzero"]:
-                    self._writer.add_scalar(f"{tag}/underflow", site["underflow"] / site["nonzero"], record["step"])
+                    self._writer.add_scalar(f"{tag}/underflow", figures["underflow_fraction"], record["step"])
         self._writer.flush()
 
     def close(self) -> None:

@@ -129,10 +129,7 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
             outvals, inner = handler(state, nested, eqn, invals)
             taps += inner
         else:
-            with _compat.eqn_source(eqn):
-                outvals = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outvals = [outvals]
+            outvals = _unchanged(eqn, invals)
         for v, x in zip(eqn.outvars, outvals, strict=True):
             if not isinstance(v, _compat.DropVar):
                 env[v] = x
