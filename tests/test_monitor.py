@@ -280,3 +280,43 @@ def test_flax_nnx_objects_get_an_error_that_says_what_to_monitor_instead():
     out, stats = jax.jit(jaxamp.monitor(forward))(state, jnp.ones((2, 4)))
     names = [s.name for s in stats.sites][:3]
     assert out.shape == (2, 4) and names == [f"dot_general[0].{r}" for r in ("lhs", "rhs", "out")]
+
+
+def test_pmap_and_vmap_of_a_monitored_step_combine_their_devices_in_rows_and_records():
+    devices = jax.local_device_count()
+    params, x = params_and_batch()
+    step = jaxamp.monitor(jax.value_and_grad(two_layers))
+    _, single = jax.jit(step)(params, x)
+    want = {(r["direction"], r["scope"], r["name"]): r for r in single.rows()}
+    stacked = [jnp.stack([p] * devices) for p in params]
+    for transform in (jax.pmap, jax.vmap):
+        _, stats = transform(step)(stacked, jnp.stack([x] * devices))
+        assert stats.vectors.shape == (devices, len(stats.sites), len(FIELDS))
+        rows = stats.rows()
+        assert len(rows) == len(stats.sites) == len(want)
+        for row in rows:
+            one = want[(row["direction"], row["scope"], row["name"])]
+            assert row["amax"] == one["amax"] and row["values"] == devices * one["values"]
+        recorder = jaxamp.MonitorRecorder()
+        recorder.record(0, stats)
+        assert [s["values"] for s in recorder.flush()[0]["sites"]] == [r["values"] for r in rows]
+
+
+def test_a_kernel_the_monitor_cannot_enter_runs_as_is_and_is_named(monkeypatch):
+    from jax.experimental import pallas as pl
+
+    from jaxamp.monitoring import _walk
+
+    monkeypatch.setattr(_walk, "_warned", set())
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+    def fn(x, w):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32), interpret=True)(x, w)
+
+    x = jnp.ones((8, 8), BF16)
+    with pytest.warns(RuntimeWarning, match="does not look inside 'pallas_call' equations"):
+        out, stats = jax.jit(jaxamp.monitor(fn))(x, x)
+    np.testing.assert_array_equal(out, fn(x, x))
+    assert stats.sites == ()

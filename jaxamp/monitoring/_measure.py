@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["FIELDS", "LOSS_SCALE_EXPONENTS", "combine", "derived", "headroom_bits", "is_low_precision", "measure"]
+__all__ = [
+    "FIELDS", "LOSS_SCALE_EXPONENTS", "combine", "derived", "headroom_bits", "is_low_precision", "measure", "per_site",
+]
 
 # The smallest normal of float16 is 2^-14. A backward value below
 # 2^(-14 - e) is one that a loss scale of 2^e would still leave below
@@ -118,10 +120,23 @@ def _finite_amax(x: Any) -> Any:
 
 
 def combine(vectors: Any, axis: int = 0) -> Any:
-    """Observations stacked along `axis` combined into one: maxima and sums."""
-    maxima = jnp.max(lax.slice_in_dim(vectors, 0, NUM_MAX_FIELDS, axis=vectors.ndim - 1), axis=axis)
-    sums = jnp.sum(lax.slice_in_dim(vectors, NUM_MAX_FIELDS, len(FIELDS), axis=vectors.ndim - 1), axis=axis)
-    return jnp.concatenate([maxima, sums], axis=-1)
+    """Observations stacked along `axis` combined into one: maxima and sums (numpy in, numpy out)."""
+    xp = np if isinstance(vectors, np.ndarray) else jnp
+    maxima = vectors[..., :NUM_MAX_FIELDS].max(axis=axis)
+    return xp.concatenate([maxima, vectors[..., NUM_MAX_FIELDS:].sum(axis=axis)], axis=-1)
+
+
+def per_site(vectors: Any, num_sites: int) -> np.ndarray:
+    """A `MonitorStats`' vectors on the host, one row per site (float64).
+
+    A monitored function under `jax.pmap` or `jax.vmap` returns them with
+    leading axes (one row per device or example): those combine as a loop's
+    iterations do.
+    """
+    vectors = np.asarray(vectors, np.float64)
+    if num_sites == 0:
+        return np.zeros((0, len(FIELDS)))
+    return combine(vectors.reshape(-1, num_sites, len(FIELDS)), axis=0)
 
 
 def headroom_bits(amax: float, dtype: Any) -> float:

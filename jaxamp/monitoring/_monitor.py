@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import _compat
 from .._jaxpr import trace_array_leaves
-from ._measure import FIELDS, derived
+from ._measure import FIELDS, derived, per_site
 from ._walk import Site, walk
 
 __all__ = ["MonitorStats", "monitor"]
@@ -40,7 +40,9 @@ class MonitorStats:
             ``2^-20``, ``2^-26``, ``2^-32`` (float16's smallest normal, and
             for cotangents the same under loss scales 2^6, 2^12, 2^18). A
             site inside a loop or a `shard_map` body combines its iterations
-            and devices.
+            and devices. A monitored function under `jax.pmap` or
+            `jax.vmap` returns them with leading axes (per device or
+            example); `rows()` and `jaxamp.MonitorRecorder` combine those too.
         sites: what each row measures (`jaxamp.monitor`'s `Site`).
         headroom_bits: the threshold the ``above`` counts used.
     """
@@ -62,8 +64,8 @@ class MonitorStats:
         ``float16_underflow_fraction`` and, for cotangents,
         ``underflow_at_scale`` (the fraction of nonzero entries below
         float16's smallest normal at each loss scale 2^e)."""
-        vectors = np.asarray(jax.device_get(self.vectors), dtype=np.float64)
-        return [_row(site, vector) for site, vector in zip(self.sites, vectors.reshape(-1, len(FIELDS)))]
+        vectors = per_site(jax.device_get(self.vectors), len(self.sites))
+        return [_row(site, vector) for site, vector in zip(self.sites, vectors, strict=True)]
 
     def __repr__(self) -> str:
         return f"MonitorStats({len(self.sites)} sites, headroom_bits={self.headroom_bits})"

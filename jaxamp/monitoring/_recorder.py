@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._measure import FIELDS, derived
+from ._measure import FIELDS, derived, per_site
 from ._monitor import MonitorStats
 
 __all__ = ["MonitorRecorder", "load_records"]
@@ -111,7 +111,7 @@ class MonitorRecorder:
             sites = [
                 dict(direction=site.direction, scope=site.scope, name=site.name, dtype=site.dtype, fp8=site.fp8,
                      handed_in=site.handed_in, **dict(zip(FIELDS, (float(v) for v in row))))
-                for site, row in zip(s.sites, np.asarray(vectors).reshape(-1, len(FIELDS)))
+                for site, row in zip(s.sites, per_site(vectors, len(s.sites)), strict=True)
             ]  # fmt: skip
             new.append(dict(kind="stats", step=step, headroom_bits=s.headroom_bits, sites=sites))
         for (step, _, _), (scale, finite) in zip(scales, host_scales):

@@ -123,7 +123,7 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
         invals = [read(v) for v in eqn.invars]
         handler = _HANDLERS.get(eqn.primitive)
         if handler is None and holds_matmul(eqn) and eqn.primitive.name not in MATMUL_NAMES:
-            handler = _opaque  # pmap, a Pallas kernel...: bound as is, said once
+            handler = _opaque  # a Pallas kernel...: bound as is, said once
         if handler is not None:
             nested = _Context(path, backward, recompute, ctx.call_sites + (eqn,))
             outvals, inner = handler(state, nested, eqn, invals)
@@ -433,7 +433,7 @@ def _opaque(state, ctx, eqn, invals):
         warnings.warn(
             f"jaxamp.monitor does not look inside {name!r} equations: the matmuls in their "
             "bodies are not measured (their results still are where a named scope hands them "
-            "on). For pmap, monitor the function you pmap: jax.pmap(jaxamp.monitor(step)).",
+            "on).",
             RuntimeWarning,
             stacklevel=4,
         )
