@@ -89,6 +89,22 @@ def _step(mode: str, scaled: bool, float32_reductions: bool, mesh, compute_dtype
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("dp"), P()), out_specs=(P(), P(), P())))
 
 
+def _delayed_step(mode: str, scaled: bool, float32_reductions: bool, mesh, recipe):
+    """`_step` (under `jit`, no scaler) for fp8's delayed recipe: the gradient taken with respect to
+    the amax histories too (the step's observed amaxes), which start as a constant."""
+    assert mode == "jit" and not scaled and not float32_reductions
+    loss = jaxamp.amp(_loss, compute_dtype=recipe)
+    histories = jaxamp.init_fp8_state(loss, _params(), jnp.ones((BATCH, D)))
+
+    def grads_of(params, x, state):
+        value, (grads, observed) = jax.value_and_grad(
+            lambda p, s: loss(p, x, fp8_state=s), argnums=(0, 1)
+        )(params, histories)
+        return value, grads, histories.update(observed)
+
+    return jax.jit(grads_of)
+
+
 def _compiled_all_reduces(axis_type: AxisType, steps: dict) -> dict:
     """``{key: {"all-reduces", "bytes", "operands"}}`` of each step compiled on a DEVICES-long mesh.
 

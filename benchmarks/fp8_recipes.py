@@ -41,8 +41,21 @@ __all__ = ["RECIPES", "main", "sqnr_db"]
 RECIPES = {
     "bf16": "bf16",
     **{scaling: jaxamp.Fp8Recipe(scaling=scaling) for scaling in
-       ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")},
+       ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", "delayed")},
 }  # fmt: skip
+ACCURACY_RECIPES = {name: recipe for name, recipe in RECIPES.items() if name != "delayed"}
+"""The recipes measured for accuracy on one batch. The delayed recipe scales a
+batch by the amaxes of the steps before it: on the same batch again those are
+its own, which is tensorwise's result (`tests/test_fp8_delayed.py` checks the
+first step bit for bit); its accuracy is a training figure (`examples/char_lm.py`)."""
+
+
+def _with_state(loss, recipe, *args):
+    """`loss` as ``f(state, *args)`` (the state its first argument, differentiated) and a state, for
+    the delayed recipe; otherwise ``(f(None, *args), None)``."""
+    if not (isinstance(recipe, jaxamp.Fp8Recipe) and recipe.scaling == "delayed"):
+        return (lambda state, *a: loss(*a)), None
+    return (lambda state, *a: loss(*a, fp8_state=state)), jaxamp.init_fp8_state(loss, *args)
 
 
 def sqnr_db(reference, value) -> float:
@@ -79,7 +92,7 @@ def linear_layer() -> dict[str, dict]:
     ref_out, ref_grad = run(None)
     bf16_out, bf16_grad = run("bf16")
     rows = {}
-    for name, recipe in RECIPES.items():
+    for name, recipe in ACCURACY_RECIPES.items():
         out, grad = run(recipe)
         rows[name] = {
             "output dB vs f32": sqnr_db(ref_out, out),
@@ -97,7 +110,7 @@ def models() -> dict[str, dict[str, dict]]:
         model, *batch = workload.concrete_args()
         ref_loss, ref_grad = eqx.filter_jit(eqx.filter_value_and_grad(workload.loss_fn))(model, *batch)
         rows = {}
-        for name, recipe in RECIPES.items():
+        for name, recipe in ACCURACY_RECIPES.items():
             amped = jaxamp.amp(workload.loss_fn, compute_dtype=recipe)
             loss, grad = eqx.filter_jit(eqx.filter_value_and_grad(amped))(model, *batch)
             rows[name] = {
@@ -115,9 +128,9 @@ def static() -> dict[str, dict[str, dict]]:
         model, *batch = workload.abstract_args()
         rows = {}
         for name, recipe in RECIPES.items():
-            loss = jaxamp.amp(workload.loss_fn, compute_dtype=recipe)
-            residuals = measure.residuals(loss, model, *batch)
-            flops = measure.matmul_flops(eqx.filter_make_jaxpr(eqx.filter_grad(loss))(model, *batch)[0])
+            loss, state = _with_state(jaxamp.amp(workload.loss_fn, compute_dtype=recipe), recipe, model, *batch)
+            residuals = measure.residuals(loss, state, model, *batch)
+            flops = measure.matmul_flops(eqx.filter_make_jaxpr(eqx.filter_grad(loss))(state, model, *batch)[0])
             total = max(sum(flops.values()), 1)
             rows[name] = {
                 "residual GB": residuals.saved_bytes / 1e9,
@@ -131,9 +144,14 @@ def all_reduces() -> dict[str, int]:
     """All-reduces of `benchmarks.collectives`' data-parallel step on an Explicit mesh, per recipe."""
     from jax.sharding import AxisType
 
-    from .collectives import _compiled_all_reduces, _step
+    from .collectives import _compiled_all_reduces, _delayed_step, _step
 
-    steps = {name: (lambda mesh, r=recipe: _step("jit", False, False, mesh, r)) for name, recipe in RECIPES.items()}
+    steps = {
+        name: (lambda mesh, r=recipe, make=_delayed_step if name == "delayed" else _step: make(
+            "jit", False, False, mesh, r
+        ))
+        for name, recipe in RECIPES.items()
+    }
     return {name: figures["all-reduces"] for name, figures in _compiled_all_reduces(AxisType.Explicit, steps).items()}
 
 

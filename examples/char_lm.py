@@ -14,10 +14,12 @@ By default two runs start from the same weights and see the same batches; the
 only difference is ``jaxamp.amp(loss, compute_dtype="bf16")``. ``--modes`` picks
 other runs: ``amp fp8`` runs the matmuls in float8 (`jaxamp.Fp8Recipe`'s
 current scaling; float8 is emulated on CPU, so it is slower there), ``amp fp8
-rowwise``, ``amp fp8 mxfp8`` and ``amp fp8 blockwise`` with those scaling
-recipes; the ``bf16 ...`` modes also store the parameters and AdamW's state
-in bfloat16 with `jaxamp.optim` (see `benchmarks.optimizer_memory.PRECISIONS`),
-rounding stochastically, with a Kahan buffer, or to nearest. Every
+rowwise``, ``amp fp8 mxfp8``, ``amp fp8 blockwise`` and ``amp fp8 delayed``
+with those scaling recipes (the delayed one threads its `jaxamp.Fp8State`
+of amax histories through the steps, the evaluations and the sampling); the
+``bf16 ...`` modes also store the parameters and AdamW's state in bfloat16
+with `jaxamp.optim` (see `benchmarks.optimizer_memory.PRECISIONS`), rounding
+stochastically, with a Kahan buffer, or to nearest. Every
 ``--print-every`` steps the training and validation losses are printed next to
 each other, and at the end each model continues a few prompts.
 
@@ -55,6 +57,7 @@ MODES = {
     "amp fp8 rowwise": (jaxamp.Fp8Recipe(scaling="rowwise"), "float32"),
     "amp fp8 mxfp8": (jaxamp.Fp8Recipe(scaling="mxfp8"), "float32"),
     "amp fp8 blockwise": (jaxamp.Fp8Recipe(scaling="blockwise"), "float32"),
+    "amp fp8 delayed": (jaxamp.Fp8Recipe(scaling="delayed"), "float32"),
     "bf16 stochastic": ("bf16", "bf16 stochastic"),
     "bf16 kahan": ("bf16", "bf16 kahan"),
     "bf16 nearest": ("bf16", "bf16 nearest"),
@@ -92,26 +95,50 @@ def sample_batch(data: np.ndarray, rng: np.random.Generator, batch: int, seq_len
     return windows[:, :-1], windows[:, 1:]
 
 
-def make_train_step(compute_dtype: str | None, optimizer: optax.GradientTransformation, monitor: bool = False):
-    """A jitted ``step(model, opt_state, tokens, targets) -> (model, opt_state, loss)``.
+def is_delayed(compute_dtype) -> bool:
+    """Whether `compute_dtype` is fp8's delayed recipe, whose amax histories the steps thread."""
+    return isinstance(compute_dtype, jaxamp.Fp8Recipe) and compute_dtype.scaling == "delayed"
 
-    With `monitor`, the step is `jaxamp.monitor`'d: it returns
-    ``((model, opt_state, loss), stats)``.
+
+def make_train_step(compute_dtype, optimizer: optax.GradientTransformation, monitor: bool = False):
+    """A jitted ``step(model, opt_state, fp8_state, tokens, targets) -> (model, opt_state, fp8_state, loss)``,
+    and ``loss(model, tokens, targets, fp8_state)``.
+
+    `fp8_state` is the delayed fp8 recipe's `jaxamp.Fp8State` (`init_state`),
+    None in the other modes. With `monitor`, the step is `jaxamp.monitor`'d:
+    it returns ``((model, opt_state, fp8_state, loss), stats)``.
     """
     loss = lm_loss if compute_dtype is None else jaxamp.amp(lm_loss, compute_dtype=compute_dtype)
 
-    def step(model, opt_state, tokens, targets):
-        value, grads = eqx.filter_value_and_grad(loss)(model, tokens, targets)
+    def step(model, opt_state, fp8_state, tokens, targets):
+        if fp8_state is None:
+            value, grads = eqx.filter_value_and_grad(loss)(model, tokens, targets)
+        else:
+            # The gradient with respect to the state is the step's amaxes.
+            value, (grads, observed) = jax.value_and_grad(
+                lambda m, s: loss(m, tokens, targets, fp8_state=s), argnums=(0, 1)
+            )(model, fp8_state)
+            fp8_state = fp8_state.update(observed)
         updates, opt_state = optimizer.update(grads, opt_state, model)
         # optax's apply_updates casts back to each parameter's dtype (bf16 ones
         # stay bf16); equinox's would return float32. Every leaf of GPT is an array.
-        return optax.apply_updates(model, updates), opt_state, value
+        return optax.apply_updates(model, updates), opt_state, fp8_state, value
 
-    return eqx.filter_jit(jaxamp.monitor(step) if monitor else step), eqx.filter_jit(loss)
+    def evaluate(model, tokens, targets, fp8_state):
+        return loss(model, tokens, targets) if fp8_state is None else loss(model, tokens, targets, fp8_state=fp8_state)
+
+    return eqx.filter_jit(jaxamp.monitor(step) if monitor else step), eqx.filter_jit(evaluate)
+
+
+def init_state(compute_dtype, model: GPT, tokens, targets):
+    """The delayed fp8 recipe's empty amax histories for `model`'s loss (None in other modes)."""
+    if not is_delayed(compute_dtype):
+        return None
+    return jaxamp.init_fp8_state(jaxamp.amp(lm_loss, compute_dtype=compute_dtype), model, tokens, targets)
 
 
 def generate(
-    model: GPT, compute_dtype: str | None, prompts: tuple[str, ...], n_chars: int, key
+    model: GPT, compute_dtype, prompts: tuple[str, ...], n_chars: int, key, fp8_state=None
 ) -> list[str]:
     """Continue each prompt by `n_chars` bytes sampled at temperature 0.8.
 
@@ -122,9 +149,12 @@ def generate(
     seq_len = model.pos.shape[0]
 
     @eqx.filter_jit
-    def next_byte(model, window, position, key):
+    def next_byte(model, window, position, key, fp8_state):
         forward = model if compute_dtype is None else jaxamp.amp(model, compute_dtype=compute_dtype)
-        logits = forward(window[None])[0, position]
+        # The delayed recipe scales by the training's histories: the model's
+        # matmuls are the loss's, in the same order.
+        logits = (forward(window[None]) if fp8_state is None else forward(window[None], fp8_state=fp8_state))
+        logits = logits[0, position]
         return jax.random.categorical(key, logits / 0.8)
 
     texts = []
@@ -137,7 +167,7 @@ def generate(
             # An array, not a Python int: equinox would make an int static and
             # compile once per position.
             position = np.int32(len(context) - 1)
-            out.append(int(next_byte(model, window, position, k)))
+            out.append(int(next_byte(model, window, position, k, fp8_state)))
         texts.append(bytes(out).decode("utf-8", errors="replace"))
     return texts
 
@@ -232,7 +262,11 @@ def main(argv: list[str] | None = None) -> dict:
         model = jaxamp.cast_floating(init, precision.param_dtype)
         monitored = args.monitor is not None and dtype is not None
         step, loss = make_train_step(dtype, wrapped, monitor=monitored)
-        runs[name] = {"model": model, "opt_state": wrapped.init(model), "step": step, "loss": loss}
+        example = sample_batch(train_data, np.random.default_rng(0), args.batch_size, args.seq_len)
+        runs[name] = {
+            "model": model, "opt_state": wrapped.init(model), "step": step, "loss": loss,
+            "fp8_state": init_state(dtype, model, *example),
+        }  # fmt: skip
         if monitored:
             args.monitor.mkdir(parents=True, exist_ok=True)
             path = args.monitor / f"{_slug(name)}.jsonl"
@@ -261,11 +295,13 @@ def main(argv: list[str] | None = None) -> dict:
         tokens, targets = sample_batch(train_data, rng, args.batch_size, args.seq_len)
         for name, run in runs.items():
             start = time.perf_counter()
-            out = jax.block_until_ready(run["step"](run["model"], run["opt_state"], tokens, targets))
+            out = jax.block_until_ready(
+                run["step"](run["model"], run["opt_state"], run["fp8_state"], tokens, targets)
+            )
             if "recorder" in run:
                 out, stats = out
                 run["recorder"].record(i, stats)  # kept on device; read in batches
-            run["model"], run["opt_state"], loss = out
+            run["model"], run["opt_state"], run["fp8_state"], loss = out
             if i:  # step 0 includes compilation
                 seconds[name].append(time.perf_counter() - start)
             train_loss[name].append(float(loss))
@@ -273,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
             val_steps.append(i + 1)
             cells = []
             for name, run in runs.items():
-                losses = [float(run["loss"](run["model"], *batch)) for batch in val_batches]
+                losses = [float(run["loss"](run["model"], *batch, run["fp8_state"])) for batch in val_batches]
                 weights = [len(batch[0]) for batch in val_batches]
                 val_loss[name].append(float(np.average(losses, weights=weights)))
                 recent = np.mean(train_loss[name][-args.print_every :])
@@ -294,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
     samples = {}
     for name, (dtype, _) in modes.items():
         key = jax.random.key(args.seed)
-        samples[name] = generate(runs[name]["model"], dtype, PROMPTS, args.sample_chars, key)
+        samples[name] = generate(runs[name]["model"], dtype, PROMPTS, args.sample_chars, key, runs[name]["fp8_state"])
         print(f"\n--- samples from {name} ---")
         for text in samples[name]:
             print(repr(text))

@@ -18,9 +18,10 @@ from .policies._policy import Policy, cast_to_full, cast_to_half, get_policy
 __all__ += ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
 
 # The transform
-from ._amp import amp
+from ._amp import amp, init_fp8_state
 from .fp8._differentiable import Fp8HigherOrderError
 from .fp8._recipe import Fp8Recipe
+from .fp8._state import Fp8State
 from .transform._rules import (
     default_amp_policy,
     use_compute_precision,
@@ -36,9 +37,11 @@ from .transform._scopes import amp_stop
 __all__ += [
     "Fp8HigherOrderError",
     "Fp8Recipe",
+    "Fp8State",
     "amp",
     "amp_stop",
     "default_amp_policy",
+    "init_fp8_state",
     "use_compute_precision",
     "use_current_precision",
     "use_full_range_precision",

@@ -6,10 +6,13 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import equinox as eqx
+
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
+from .fp8._state import Fp8State
 
-__all__ = ["amp"]
+__all__ = ["amp", "init_fp8_state"]
 
 
 def amp(
@@ -64,6 +67,9 @@ def amp(
 
     Returns:
         The mixed-precision function (or a decorator when `fn` is omitted).
+        With ``Fp8Recipe(scaling="delayed")`` it takes one more keyword
+        argument, ``fp8_state=`` (a `jaxamp.Fp8State`, see `init_fp8_state`),
+        and is never cached eagerly.
 
     Raises:
         TypeError: `fn` is not callable, `compute_dtype` is not a float16,
@@ -87,10 +93,79 @@ def amp(
         )
 
     cache = EagerCache()
+    delayed = options.fp8 is not None and options.fp8.scaling == "delayed"
 
     @functools.wraps(fn)
     def amp_fn(*args, **kwargs):
+        if delayed:
+            state = _delayed_state(kwargs.pop("fp8_state", None))
+            # Not cached eagerly: the histories are inputs of this call only.
+            return options.run(fn, args, kwargs, site_state=state.site_state())
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]
+    amp_fn._jaxamp_amp = (options, fn)  # type: ignore[attr-defined]  # for `init_fp8_state`
     return amp_fn
+
+
+def init_fp8_state(amp_fn: Callable, *args: Any, **kwargs: Any) -> Fp8State:
+    """The empty amax histories of an amp'd function under ``Fp8Recipe(scaling="delayed")``.
+
+    Traces ``amp_fn(*args, **kwargs)`` (nothing runs; arguments may be
+    `jax.ShapeDtypeStruct` leaves) and makes one history per float8 matmul,
+    zeros: the first step scales by the live amaxes. Pass the state to every
+    call, ``amp_fn(*args, fp8_state=state, **kwargs)``, and update it from its
+    gradient (README "## float8"):
+
+        loss = jaxamp.amp(loss_fn, compute_dtype=jaxamp.Fp8Recipe(scaling="delayed"))
+        state = jaxamp.init_fp8_state(loss, params, batch)
+
+        @jax.jit
+        def step(params, opt_state, state, batch):
+            value, (grads, observed) = jax.value_and_grad(
+                lambda p, s: loss(p, batch, fp8_state=s), argnums=(0, 1)
+            )(params, state)
+            ...
+            return params, opt_state, state.update(observed)
+
+    Args:
+        amp_fn: what `amp` returned, with the delayed recipe.
+        *args, **kwargs: arguments as the step passes them (their shapes
+            decide the program, and a scan's length how many histories its
+            matmuls get).
+
+    Returns:
+        An `Fp8State`.
+
+    Raises:
+        TypeError: `amp_fn` is not an amp'd function with the delayed recipe.
+    """
+    found = getattr(amp_fn, "_jaxamp_amp", None)
+    if found is None or found[0].fp8 is None or found[0].fp8.scaling != "delayed":
+        raise TypeError(
+            "init_fp8_state takes a function made by jaxamp.amp with "
+            "compute_dtype=jaxamp.Fp8Recipe(scaling='delayed'), got "
+            f"{getattr(amp_fn, '__name__', type(amp_fn).__name__)!r}"
+            + ("" if found is None else f" (an amp'd function whose fp8 recipe is {found[0].fp8!r})")
+            + "."
+        )
+    options, fn = found
+    discovered = []
+    # Traced abstractly, so `jax.ShapeDtypeStruct` leaves stand for arrays.
+    eqx.filter_eval_shape(lambda a, k: discovered.append(options.discover_sites(fn, a, k)), args, kwargs)
+    return Fp8State.from_sites(discovered[0])
+
+
+def _delayed_state(state: Any) -> Fp8State:
+    if state is None:
+        raise TypeError(
+            "this function was made by jaxamp.amp with Fp8Recipe(scaling='delayed'), whose scales come "
+            "from amax histories: pass them as fp8_state=..., made once by "
+            "jaxamp.init_fp8_state(fn, *args) and updated each step from their gradient "
+            "(state.update(observed)); README '## float8' shows the step."
+        )
+    if not isinstance(state, Fp8State):
+        raise TypeError(
+            f"fp8_state must be a jaxamp.Fp8State (from jaxamp.init_fp8_state), got {type(state).__name__}."
+        )
+    return state

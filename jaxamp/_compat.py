@@ -481,6 +481,25 @@ def jit_params_with_extra_outputs(params: dict, jaxpr: ClosedJaxpr, num_extra: i
 
 
 @_internal
+def call_params_with_extra_inputs(primitive: Any, params: dict, jaxpr: ClosedJaxpr, num_extra: int) -> dict:
+    """Parameters of a `jit_p` or `closed_call_p` equation whose body `jaxpr` takes `num_extra` new leading inputs.
+
+    The new inputs are unsharded-unspecified, not donated and laid out by XLA.
+    """
+    if primitive is closed_call_p:
+        return dict(params, call_jaxpr=jaxpr)
+    from jax._src.sharding_impls import UNSPECIFIED
+
+    return dict(
+        params,
+        jaxpr=jaxpr,
+        in_shardings=(*(UNSPECIFIED,) * num_extra, *params["in_shardings"]),
+        in_layouts=(*(None,) * num_extra, *params["in_layouts"]),
+        donated_invars=(*(False,) * num_extra, *params["donated_invars"]),
+    )
+
+
+@_internal
 def shard_map_mesh_axes(eqn_params: dict) -> tuple[tuple[Any, int], ...]:
     """``((name, size), ...)`` of the mesh axes a `shard_map` equation makes manual (runs per device over)."""
     mesh = eqn_params["mesh"]

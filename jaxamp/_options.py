@@ -23,7 +23,7 @@ from ._dtypes import canonical_compute_dtype
 from ._jaxpr import trace_array_leaves
 from .fp8._matmul import with_fp8_matmuls
 from .fp8._recipe import FP8_NAMES, Fp8Recipe, as_recipe
-from .transform import _higher_order, _nnx  # noqa: F401  (_higher_order registers the handlers)
+from .transform import _higher_order, _nnx, _site_state  # noqa: F401  (_higher_order registers the handlers)
 from .transform._accumulation import with_float32_accumulation
 from .transform._interpreter import AmpContext, interpret
 from .transform._rules import PolicyTable, default_amp_policy, freeze
@@ -75,8 +75,15 @@ class AmpOptions:
         table = freeze(self.table) if self.fp8 is None else with_fp8_matmuls(self.table, self.fp8)
         return with_float32_accumulation(table) if self.float32_accumulation else table
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False) -> Any:
-        """Trace ``fn(*args, **kwargs)`` and evaluate it under amp."""
+    def run(
+        self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False, site_state=None
+    ) -> Any:
+        """Trace ``fn(*args, **kwargs)`` and evaluate it under amp.
+
+        `site_state`: the values rules take per site (the delayed fp8 recipe's
+        histories, `jaxamp.transform._site_state`); None with the delayed
+        recipe makes zeros (its first step), as the diagnostics run it.
+        """
         with _collection_paused():
             closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs)
             ctx = self._context(observer=observer, inline=inline)
@@ -84,8 +91,29 @@ class AmpOptions:
             # jit), like the user's own code: calls keep their jaxprs (see
             # `_compat.trace_keeping_calls`), so JAX differentiates each
             # distinct body once and source lines stay the user's.
-            outs = self._evaluate(closed, flat_args, num_outs, ctx)
+            with _site_state.threading(self._site_state(site_state, inline)):
+                outs = self._evaluate(closed, flat_args, num_outs, ctx)
         return rebuild(outs)
+
+    def discover_sites(self, fn: Callable, args: tuple, kwargs: dict) -> _site_state.SiteState:
+        """The sites of ``fn(*args, **kwargs)`` whose rules take a value (traced, nothing run)."""
+        found = _site_state.SiteState()
+        with _collection_paused():
+            closed, flat_args, num_outs, _, _ = _trace(fn, args, kwargs)
+            ctx = self._context()
+            with _site_state.threading(found):
+                _compat.trace_to_closed_jaxpr(
+                    lambda *flat: self._evaluate(closed, flat, num_outs, ctx),
+                    [_compat.abstract_value(x) for x in flat_args],
+                )
+        return found
+
+    def _site_state(self, given: Any, inline: bool) -> _site_state.SiteState | None:
+        if self.fp8 is None or self.fp8.scaling != "delayed" or inline:
+            # `inline` evaluates loop bodies per iteration, where stacked
+            # values have no place: its matmuls say they run from live values.
+            return None
+        return _site_state.SiteState() if given is None else given
 
     def rewrite(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list, Callable, bool]:
         """amp's program for ``fn(*args, **kwargs)`` as a jaxpr (what eager calls cache).

@@ -35,7 +35,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--mode", choices=["jit", "shard_map"], default="jit")
-    parser.add_argument("--dtype", choices=["bf16", "f16"], default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "f16", "fp8-delayed"], default="bf16")
     parser.add_argument("--redo-on-nan", type=int, default=0)
     parser.add_argument("--low-precision", action="store_true")
     parser.add_argument("--float32-reductions", action="store_true")
@@ -128,8 +128,15 @@ def _gathered(leaf):
 def main():
     mesh = jax.make_mesh((DEVICES,), ("dp",))  # Explicit axes: JAX's default
     assert len(mesh.devices.ravel()) == DEVICES
+    delayed = ARGS.dtype == "fp8-delayed"
+    compute_dtype = ARGS.dtype
+    if delayed:  # both matmuls in float8, scaled from amax histories
+        compute_dtype = jaxamp.Fp8Recipe(
+            scaling="delayed", amax_history_length=4, keep_last_matmul_bf16=False, gemm_multiple=1,
+            min_contraction=1,
+        )
     amp_loss = jaxamp.amp(
-        loss_fn, compute_dtype=ARGS.dtype, float32_gradient_reductions=ARGS.float32_reductions
+        loss_fn, compute_dtype=compute_dtype, float32_gradient_reductions=ARGS.float32_reductions
     )
     batch_sharding = NamedSharding(mesh, P("dp"))
     replicated = NamedSharding(mesh, P())
@@ -145,7 +152,26 @@ def main():
 
     with jax.set_mesh(mesh):
         params = jax.device_put(to_storage(init_params()), replicated)
-        if ARGS.mode == "jit":
+        fp8_state = None
+        if ARGS.mode == "jit" and delayed:
+            optimizer = jaxamp.skip_nonfinite_updates(make_optimizer())
+            # The state's gradient (the observed amaxes) passes the loss
+            # scaler unscaled, and every process rolls in the same amaxes.
+            grad_fn = jaxamp.dynamic_scale_value_and_grad(
+                lambda p, s, x, y: amp_loss(p, x, y, fp8_state=s), filter=False, redo_on_nan=ARGS.redo_on_nan,
+                argnums=(0, 1),
+            )
+            fp8_state = jax.device_put(jaxamp.init_fp8_state(amp_loss, params, *put_batch(0)), replicated)
+
+            @jax.jit
+            def step(params, opt_state, scaler, fp8_state, x, y):
+                scaler, (loss, (grads, observed)) = grad_fn(params, fp8_state, x, y, dynamic_scaler_state=scaler)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+                return params, opt_state, scaler, fp8_state.update(observed), loss, opt_state.last_finite
+
+            opt_state = optimizer.init(params)
+        elif ARGS.mode == "jit":
             optimizer = jaxamp.skip_nonfinite_updates(make_optimizer())
             grad_fn = jaxamp.dynamic_scale_value_and_grad(
                 amp_loss, filter=False, redo_on_nan=ARGS.redo_on_nan
@@ -203,7 +229,12 @@ def main():
         scaler = jaxamp.DynamicScalerState(scaler=2.0**15, patience=3)
         losses, scales, finite = [], [], []
         for i in range(ARGS.steps):
-            params, opt_state, scaler, loss, last_finite = step(params, opt_state, scaler, *put_batch(i))
+            if fp8_state is not None:
+                params, opt_state, scaler, fp8_state, loss, last_finite = step(
+                    params, opt_state, scaler, fp8_state, *put_batch(i)
+                )
+            else:
+                params, opt_state, scaler, loss, last_finite = step(params, opt_state, scaler, *put_batch(i))
             losses.append(float(loss))
             scales.append(float(scaler.scaler))
             finite.append(bool(last_finite))
@@ -229,6 +260,10 @@ def main():
         params_f32=np.concatenate(
             [np.asarray(jax.device_get(_gathered(leaf)), np.float32).ravel() for leaf in jax.tree_util.tree_leaves(params)]
         ),
+        fp8_state=np.concatenate(host(fp8_state)) if fp8_state is not None else np.zeros(0, np.uint8),
+        fp8_histories=np.concatenate(
+            [np.asarray(h).ravel() for h in jax.tree_util.tree_leaves(jax.device_get(fp8_state))]
+        ) if fp8_state is not None else np.zeros(0, np.float32),
         losses=np.array(losses),
         scales=np.array(scales),
         finite=np.array(finite),

@@ -279,6 +279,9 @@ def test_fp8_recipes_all_reduces_on_an_explicit_data_parallel_step():
     for name in ("tensorwise", "rowwise_with_gw_hp", "mxfp8", "blockwise"):
         assert counts[name] == counts["bf16"], counts
     assert counts["rowwise"] == counts["bf16"] + 1, counts
+    # The delayed recipe's scales need none; the observed amaxes of the
+    # batch-sharded input and cotangent are two scalar all-reduces for the next step.
+    assert counts["delayed"] == counts["bf16"] + 2, counts
 
 
 def test_monitor_overhead_times_a_monitored_step_against_the_plain_one():

@@ -170,5 +170,5 @@ def test_the_default_recipe():
     assert dataclasses.asdict(Fp8Recipe()) == {
         "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "min_contraction": 16, "gemm_multiple": 16,
         "keep_last_matmul_bf16": True, "attention": False, "grouped": False, "gradient_format": None,
-        "fast_accumulation": "forward",
+        "fast_accumulation": "forward", "amax_history_length": 1024, "amax_compute_algo": "max", "margin": 0,
     }  # fmt: skip

@@ -121,9 +121,9 @@ def test_explain_names_the_recipe():
 @pytest.mark.parametrize(
     "fields, error, match",
     [
-        ({"scaling": "delayed"}, ValueError,
-         r"Fp8Recipe.scaling must be one of \('tensorwise', 'rowwise', 'rowwise_with_gw_hp', 'mxfp8', 'blockwise'\), "
-         r"got 'delayed'"),
+        ({"scaling": "current"}, ValueError,
+         r"Fp8Recipe.scaling must be one of \('tensorwise', 'rowwise', 'rowwise_with_gw_hp', 'mxfp8', 'blockwise', "
+         r"'delayed'\), got 'current'"),
         ({"power_of_two_scales": "yes"}, TypeError, r"power_of_two_scales must be a bool or None, got 'yes' \(str\)"),
     ],
 )

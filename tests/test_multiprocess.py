@@ -117,3 +117,22 @@ def test_multiprocess_low_precision_params_stay_identical(tmp_path):
     two, (one,) = _launch_both(tmp_path, ["--mode", "jit", "--dtype", "bf16", "--low-precision"])
     _assert_processes_identical(two)
     np.testing.assert_array_equal(two[0]["params"], one["params"])
+
+
+def test_multiprocess_fp8_delayed_histories_agree_on_every_process(tmp_path):
+    # fp8's delayed recipe: the amax histories each process rolls in are the
+    # global amaxes, so every process holds the same state, and the loss
+    # scaler leaves the observed amaxes unscaled (the histories equal one
+    # process's, which it would divide by 2**15 otherwise).
+    two, (one,) = _launch_both(tmp_path, ["--mode", "jit", "--dtype", "fp8-delayed"])
+    _assert_processes_identical(two)
+    np.testing.assert_array_equal(two[0]["fp8_state"], two[1]["fp8_state"])
+    assert two[0]["finite"].tolist() == [True, True, False] + [True] * 5
+    histories, want = two[0]["fp8_histories"], one["fp8_histories"]
+    # Two matmuls' [3 rows (lhs, rhs, cotangent), 4 steps] histories. The
+    # forward amaxes are the data's, weights' and activations' (0.1 to 60),
+    # not 2**-15 of them.
+    forward = histories.reshape(2, 3, 4)[:, :2]
+    assert 0.1 < forward.min() and forward.max() <= 60.0, forward
+    # bfloat16 values rounded in another order across processes: amaxes within bf16's rounding.
+    np.testing.assert_allclose(histories, want, rtol=1e-2)

@@ -31,6 +31,7 @@ from jax import lax
 from jax.custom_derivatives import linear_call
 
 from .. import _compat
+from ..transform._interpreter import warn_once
 
 __all__ = ["OTHER_SIDE", "Fp8HigherOrderError", "Scheme", "differentiable_matmul", "tangent_product"]
 
@@ -66,6 +67,10 @@ class Scheme(Protocol):
     def cotangent(self, side: str, other: Any, aval: Any, g: Any, rest: tuple) -> Any:
         """`side`'s cotangent from the product's cotangent `g`; `aval` is `side`'s operand's type."""
 
+    # A scheme with state (the delayed recipe's history, ``rest[-1]``) also has
+    # ``observe(lhs, rhs) -> residual`` and ``observed(residual, g, state_aval)
+    # -> the state's cotangent``: see `_observation`.
+
 
 def differentiable_matmul(scheme: Scheme) -> Callable[..., Any]:
     """``f(lhs, rhs, *rest)``: `scheme`'s float8 matmul, differentiable in every mode (see the module doc)."""
@@ -84,6 +89,8 @@ def differentiable_matmul(scheme: Scheme) -> Callable[..., Any]:
             for side, t in zip(("lhs", "rhs"), tangents[:2])
             if not _compat.is_zero(t)
         ]
+        if hasattr(scheme, "observe"):
+            terms += _observation(scheme, lhs, rhs, rest, tangents, jax.typeof(out))
         if not terms:  # only `rest` (integers) had tangents
             return out, _compat.zeros_like_aval(jax.typeof(out))
         return out, functools.reduce(lax.add, terms)
@@ -111,6 +118,37 @@ def tangent_product(scheme: Scheme, side: str, lhs: Any, rhs: Any, *rest: Any) -
         return scheme.cotangent(side, other_residual, aval, g, rest)
 
     return linear_call(tangent, cotangent, (residual, rest), operands[side])
+
+
+def _observation(scheme: Any, lhs: Any, rhs: Any, rest: tuple, tangents: tuple, out_aval: Any) -> list:
+    """The term that carries a scheme's observed amaxes out as the cotangent of its state (``rest[-1]``).
+
+    A `linear_call` that adds nothing to the tangent and whose transpose is
+    the state's update (`Scheme.observed`): not a derivative, the way flax's
+    fp8 ops return their amax histories. Nothing when the state is not
+    differentiated (said once: its histories would never be updated).
+    """
+    state_tangent = tangents[-1]
+    if _compat.is_zero(state_tangent):
+        if not all(_compat.is_zero(t) for t in tangents[:2]):
+            warn_once(
+                ("fp8_state_not_differentiated", ""),
+                "jaxamp fp8 mode: a delayed-recipe matmul was differentiated, but not with respect to its "
+                "fp8_state, so the step's amaxes are lost and the histories never change. Differentiate "
+                "with respect to the state too, jax.grad(loss, argnums=(0, 1))(params, fp8_state), and "
+                "pass that gradient to fp8_state.update (jax.jvp alone observes no cotangent: ignore this there).",
+                UserWarning,
+            )
+        return []
+    state_aval = jax.typeof(rest[-1])
+
+    def no_tangent(forward, t):
+        return _compat.zeros_like_aval(out_aval)
+
+    def observed(forward, g):
+        return scheme.observed(forward, g, state_aval)
+
+    return [linear_call(no_tangent, observed, scheme.observe(lhs, rhs), state_tangent)]
 
 
 class Fp8HigherOrderError(NotImplementedError):

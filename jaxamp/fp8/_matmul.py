@@ -21,8 +21,11 @@ torchao's tensorwise dynamic scaling:
   reverse mode; differentiating it again raises (see
   `jaxamp.fp8._differentiable`).
 
-The scaling schemes (tensorwise, rowwise, per group, per shard) are in
-`jaxamp.fp8._schemes`, the quantisers in `jaxamp.fp8._quantize`.
+The scaling schemes (tensorwise, delayed, rowwise, per group, per shard,
+blocks) are in `jaxamp.fp8._schemes`, the quantisers in
+`jaxamp.fp8._quantize`, the delayed recipe's amax histories in
+`jaxamp.fp8._state` (each matmul takes its own from the program's
+`jaxamp.transform._site_state`).
 
 Matmuls it does not accept run in bfloat16, with the reason recorded for
 `jaxamp.explain`. By default, as Transformer Engine, torchao and torchtitan
@@ -46,6 +49,7 @@ from .. import _compat
 from .._casting import dtype_of
 from .._dtypes import dtype_short_name, is_castable
 from .._jaxpr import MATMUL_NAMES, equation_flops, matmuls_in
+from ..transform import _site_state
 from ..transform._interpreter import HANDLERS, EquationRewrite, warn_once
 from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, use_compute_precision
@@ -55,6 +59,7 @@ from ._recipe import BLOCK_SCALINGS, Fp8Recipe
 from ._schemes import (
     BLOCK_SIZE,
     BlockScaled,
+    Delayed,
     PerGroup,
     PerShard,
     Rowwise,
@@ -62,6 +67,7 @@ from ._schemes import (
     shard_axes,
     sharded_free_dims,
 )
+from ._state import ROLES
 
 __all__ = [
     "Fp8MatmulRule",
@@ -109,6 +115,10 @@ def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
                "blockwise, 1x128 tiles (the right operand 128x128), power-of-two scales")
             + _accumulation(recipe)
         )  # fmt: skip
+    elif recipe.scaling == "delayed":
+        scaling = f"delayed, from the {recipe.amax_compute_algo} of {recipe.amax_history_length} steps' amaxes"
+        if recipe.margin:
+            scaling += f", margin {recipe.margin}"
     elif primitive_name == "dot_general" and recipe.scaling != "tensorwise":
         scaling = "current, rowwise"
         if recipe.scaling == "rowwise_with_gw_hp":
@@ -218,6 +228,7 @@ class Fp8MatmulRule:
         blocked = name == "dot_general" and recipe.scaling in BLOCK_SCALINGS
         unblocked = _why_not_blocked(eqn, lhs, rhs, recipe.scaling) if blocked else ""
         gradient, precisions = recipe.gradient_dtype(name), recipe.accumulation_precisions()
+        history, fallback = None, ""
         if name == "ragged_dot_general":
             scheme = PerGroup(bind_params, compute_dtype, gradient, precisions)
         elif blocked and not unblocked:
@@ -225,12 +236,20 @@ class Fp8MatmulRule:
         elif name == "dot_general" and recipe.scaling in ("rowwise", "rowwise_with_gw_hp"):
             weight_gradient_hp = recipe.scaling == "rowwise_with_gw_hp"
             scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp, gradient, precisions)
+        elif recipe.scaling == "delayed":
+            history, fallback = _delayed_history(name, recipe.amax_history_length)
+            tensorwise = (eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
+            delayed = (recipe.amax_compute_algo, recipe.margin)
+            scheme = Tensorwise(*tensorwise) if history is None else Delayed(*tensorwise, *delayed)
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))
             scheme = PerShard(bind_params, *avals, *shards, compute_dtype, power_of_two, gradient, precisions)
         else:
             scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
-        if unblocked:
+        if recipe.scaling == "delayed" and history is None:
+            unblocked = fallback or "a grouped matmul, scaled per group from the live values"
+            description = formats(name, dataclasses.replace(recipe, scaling="tensorwise")) + f" (delayed: {unblocked})"
+        elif unblocked:
             tensorwise = dataclasses.replace(
                 recipe, scaling="tensorwise", power_of_two_scales=True, gradient_format=dtype_short_name(gradient)
             )
@@ -249,6 +268,9 @@ class Fp8MatmulRule:
             side = "lhs" if linear[0] else "rhs"
             fn = functools.partial(tangent_product, scheme, side)
             description += f"; the tangent product of a custom_jvp rule ({side} the tangent)"
+        elif history is not None:
+            matmul = differentiable_matmul(scheme)
+            fn = functools.partial(_with_history, matmul, history)
         else:
             fn = differentiable_matmul(scheme)
         operand_dtypes = (E4M3, E4M3, *(dtype_of(x) for x in rest))
@@ -295,9 +317,25 @@ class Fp8MatmulRule:
         return ""
 
 
+def _delayed_history(name: str, length: int) -> tuple[Any, str]:
+    """``(history, "")``: this matmul's amax history from the program's `Fp8State`; or ``(None, why not)``."""
+    state, paused = _site_state.active(), _site_state.pause_reason()
+    if paused:
+        return None, f"{paused}, scaled from the live values"
+    if state is None:
+        return None, "a call without an fp8_state, scaled from the live values"
+    return state.take(name, (len(ROLES), length)), ""
+
+
+def _with_history(matmul: Any, history: Any, lhs: Any, rhs: Any) -> Any:
+    return matmul(lhs, rhs, history)
+
+
 def _warn_fallback(scaling: str, name: str, reason: str) -> None:
     """Say once per recipe and kind of reason that a matmul runs per-tensor instead."""
     kind = "explicit" if "Explicit" in reason else "block size" if "block size" in reason else name
+    if scaling == "delayed":  # each of its reasons is a fixed sentence
+        kind = reason
     warn_once(
         ("fp8_fallback", f"{scaling}:{kind}"),
         f"jaxamp fp8 mode: Fp8Recipe(scaling={scaling!r}) runs a {name} with per-tensor scales instead: "

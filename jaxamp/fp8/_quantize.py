@@ -15,7 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["E4M3", "E5M2", "place", "quantize", "quantize_along", "quantize_blocks", "quantize_rows_by_group"]
+__all__ = [
+    "E4M3", "E5M2", "apply_scale", "finite_amax", "place", "quantize", "quantize_along", "quantize_blocks",
+    "quantize_rows_by_group", "scale_for_amax",
+]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -51,8 +54,8 @@ def quantize_along(x: Any, fmt: Any, contracted: Sequence[int], power_of_two: bo
     """
     x32 = lax.convert_element_type(x, _F32)
     contracted = tuple(sorted(contracted))
-    scale = _scale(lax.reduce_max(_finite_magnitude(x32), contracted), fmt, power_of_two)
-    return _apply_scale(x32, lax.expand_dims(scale, contracted), fmt), scale
+    scale = scale_for_amax(lax.reduce_max(_finite_magnitude(x32), contracted), fmt, power_of_two)
+    return apply_scale(x32, lax.expand_dims(scale, contracted), fmt), scale
 
 
 # lax rather than jnp in these helpers: each jnp helper adds a nested jit to every matmul.
@@ -63,7 +66,13 @@ def _finite_magnitude(x32: Any) -> Any:
     return lax.select(lax.is_finite(x32), lax.abs(x32), lax.full_like(x32, 0.0))
 
 
-def _scale(amax: Any, fmt: Any, power_of_two: bool = False) -> Any:
+def finite_amax(x: Any) -> Any:
+    """The largest finite ``|x|`` over all of `x`, a float32 scalar (0 if there is none)."""
+    x32 = lax.convert_element_type(x, _F32)
+    return lax.reduce_max(_finite_magnitude(x32), tuple(range(x32.ndim)))
+
+
+def scale_for_amax(amax: Any, fmt: Any, power_of_two: bool = False) -> Any:
     """``amax / max(fmt)``, 1 where that is not positive (an all-zero or empty tensor).
 
     With `power_of_two`, rounded up to a power of two (so ``amax / scale``
@@ -81,7 +90,7 @@ def _scale(amax: Any, fmt: Any, power_of_two: bool = False) -> Any:
     return scale
 
 
-def _apply_scale(x32: Any, scale: Any, fmt: Any) -> Any:
+def apply_scale(x32: Any, scale: Any, fmt: Any) -> Any:
     """``x / scale`` saturated to `fmt`, non-finite entries passed through (see `quantize`)."""
     fmax = np.float32(jnp.finfo(fmt).max)
     q = lax.select(lax.is_finite(x32), lax.clamp(-fmax, x32 / scale, fmax), x32)
@@ -95,9 +104,9 @@ def quantize_rows_by_group(x: Any, fmt: Any, group_ids: Any, num_groups: int) ->
     """
     x32 = lax.convert_element_type(x, _F32)
     row_amax = lax.reduce_max(_finite_magnitude(x32), tuple(range(1, x32.ndim)))
-    scales = _scale(jax.ops.segment_max(row_amax, group_ids, num_segments=num_groups), fmt)
+    scales = scale_for_amax(jax.ops.segment_max(row_amax, group_ids, num_segments=num_groups), fmt)
     row_scales = scales[group_ids].reshape((-1,) + (1,) * (x32.ndim - 1))
-    return _apply_scale(x32, row_scales, fmt), scales
+    return apply_scale(x32, row_scales, fmt), scales
 
 
 
@@ -143,8 +152,8 @@ def quantize_blocks(x: Any, axis: int, block: int, mode: str, free_axis: int | N
         q = lax.clamp(-fmax, blocked * lax.expand_dims(reciprocal, inner), fmax)
         q = lax.convert_element_type(q, fmt)
     else:
-        scale = _scale(lax.reduce_max(_finite_magnitude(blocked), tuple(inner)), fmt, power_of_two=True)
-        q = _apply_scale(blocked, lax.expand_dims(scale, inner), fmt)
+        scale = scale_for_amax(lax.reduce_max(_finite_magnitude(blocked), tuple(inner)), fmt, power_of_two=True)
+        q = apply_scale(blocked, lax.expand_dims(scale, inner), fmt)
     return lax.reshape(q, tuple(shape)), scale
 
 

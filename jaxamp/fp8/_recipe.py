@@ -9,15 +9,20 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-__all__ = ["BLOCK_SCALINGS", "FAST_ACCUMULATION", "FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe"]
+__all__ = [
+    "AMAX_ALGORITHMS", "BLOCK_SCALINGS", "FAST_ACCUMULATION", "FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe",
+]
 
 FP8_NAMES = ("fp8", "float8")
 """The `compute_dtype` names of fp8 mode (case and surrounding spaces ignored)."""
-SCALINGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise")
-"""`Fp8Recipe.scaling` values (torchao's names, and NVIDIA's and Transformer Engine's block recipes)."""
+SCALINGS = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", "delayed")
+"""`Fp8Recipe.scaling` values (torchao's names, NVIDIA's and Transformer Engine's block recipes, and
+Transformer Engine's delayed scaling)."""
 BLOCK_SCALINGS = ("mxfp8", "blockwise")
-FAST_ACCUMULATION = ("forward", "all", "none")
 """The scalings with a scale per block of each product's contraction (power-of-two scales)."""
+FAST_ACCUMULATION = ("forward", "all", "none")
+AMAX_ALGORITHMS = ("max", "most_recent")
+"""`Fp8Recipe.amax_compute_algo` values (Transformer Engine's names)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +30,9 @@ class Fp8Recipe:
     """The choices of amp's float8 mode: pass as ``amp(fn, compute_dtype=Fp8Recipe(...))``.
 
     ``compute_dtype="fp8"`` (or ``"float8"``) is ``Fp8Recipe()``. Scaling is
-    "current": each scale comes from an amax of the live tensor in the same
-    step, so there is no scaling state to carry between steps.
+    "current" (each scale comes from an amax of the live tensor in the same
+    step, so there is no scaling state to carry between steps), except with
+    ``scaling="delayed"``.
 
     Attributes:
         scaling: how many scales a matmul's operands get.
@@ -57,10 +63,21 @@ class Fp8Recipe:
             divide, or whose operand is split over an Explicit mesh, runs
             tensorwise (``explain`` says why). Rowwise and block scaling apply
             to ``dot_general``; convolutions and grouped matmuls keep their
-            own scaling.
+            own scaling. ``"delayed"`` (Transformer Engine's
+            ``DelayedScaling``): tensorwise, each scale from the amaxes of
+            past steps (`amax_history_length`, `amax_compute_algo`,
+            `margin`), kept in a `jaxamp.Fp8State` that the step passes in
+            (``fn(*args, fp8_state=state)``, made by `jaxamp.init_fp8_state`)
+            and updates from its gradient (`Fp8State.update`); README
+            "## float8" shows the step. A matmul whose state cannot be
+            threaded to it (inside a custom derivative rule or a
+            ``shard_map`` body) and a grouped matmul run with current
+            scaling, said once. On a mesh the scales need no collective (the
+            amaxes for the next step are reduced off the critical path).
         power_of_two_scales: round each scale up to a power of two, so that
             scaling changes no mantissa bit. None (the default) means True
-            for the rowwise recipes and False for tensorwise, as torchao.
+            for the rowwise recipes and False for tensorwise and delayed, as
+            torchao and Transformer Engine.
         min_flops: matmuls of fewer FLOPs (``2 * M * N * K`` per call, from the
             shapes) stay in bfloat16. Quantising costs two passes over each
             operand, which only a large enough matmul earns back; where that
@@ -119,11 +136,20 @@ class Fp8Recipe:
             may not (XLA's GPU float8 GEMMs read it; on a CPU both
             accumulate in float32).
 
+        amax_history_length: the delayed recipe's history: how many steps'
+            amaxes each matmul keeps (Transformer Engine's default, 1024).
+        amax_compute_algo: which amax of the history scales the next step:
+            ``"max"`` (the default) or ``"most_recent"``.
+        margin: the delayed recipe's scales leave ``2**margin`` of headroom
+            (default 0): a value up to that much larger than the history's
+            amax still fits without saturating.
+
     Raises:
         TypeError: a field of the wrong type.
         ValueError: an unknown ``scaling``, ``gradient_format`` or
-            ``fast_accumulation``, a negative
-            ``min_flops``, a ``min_contraction`` or ``gemm_multiple`` below 1,
+            ``fast_accumulation`` or ``amax_compute_algo``, a negative
+            ``min_flops`` or ``margin``, a ``min_contraction``,
+            ``gemm_multiple`` or ``amax_history_length`` below 1,
             or ``power_of_two_scales=False`` with a block recipe.
     """
 
@@ -137,9 +163,14 @@ class Fp8Recipe:
     grouped: bool = False
     gradient_format: str | None = None
     fast_accumulation: str = "forward"
+    amax_history_length: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
 
     def __post_init__(self) -> None:
-        for name, least in (("min_flops", 0), ("min_contraction", 1), ("gemm_multiple", 1)):
+        limits = (("min_flops", 0), ("min_contraction", 1), ("gemm_multiple", 1), ("amax_history_length", 1),
+                  ("margin", 0))
+        for name, least in limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(
@@ -162,6 +193,10 @@ class Fp8Recipe:
         if self.gradient_format not in (None, "e4m3", "e5m2"):
             raise ValueError(
                 f"Fp8Recipe.gradient_format must be None, 'e4m3' or 'e5m2', got {self.gradient_format!r}."
+            )
+        if self.amax_compute_algo not in AMAX_ALGORITHMS:
+            raise ValueError(
+                f"Fp8Recipe.amax_compute_algo must be one of {AMAX_ALGORITHMS}, got {self.amax_compute_algo!r}."
             )
         if self.fast_accumulation not in FAST_ACCUMULATION:
             raise ValueError(
@@ -196,7 +231,7 @@ class Fp8Recipe:
     def rounds_scales_to_powers_of_two(self) -> bool:
         """`power_of_two_scales` with its default resolved."""
         if self.power_of_two_scales is None:
-            return self.scaling != "tensorwise"
+            return self.scaling not in ("tensorwise", "delayed")
         return bool(self.power_of_two_scales)
 
 

@@ -7,6 +7,9 @@ straight-through estimator); gradients run in float8, as each recipe says.
 
 * `Tensorwise`: Transformer Engine's ``Float8CurrentScaling``, torchao's
   tensorwise recipe; any matmul primitive.
+* `Delayed`: tensorwise with scales from an amax history (Transformer
+  Engine's ``DelayedScaling``, `jaxamp.fp8._state`); ``dot_general`` and
+  convolutions.
 * `Rowwise`: torchao's rowwise and ``rowwise_with_gw_hp`` recipes; ``dot_general``.
 * `PerGroup`: `lax.ragged_dot` with a scale per group (expert).
 * `PerShard`: tensorwise with a scale per shard of the dimensions an Explicit
@@ -28,11 +31,22 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ._differentiable import OTHER_SIDE
-from ._quantize import E4M3, E5M2, place, quantize, quantize_along, quantize_blocks, quantize_rows_by_group
+from ._quantize import (
+    E4M3,
+    E5M2,
+    apply_scale,
+    finite_amax,
+    place,
+    quantize,
+    quantize_along,
+    quantize_blocks,
+    quantize_rows_by_group,
+)
+from ._state import ROLES, history_scale, observation
 
 __all__ = [
-    "BLOCK_SIZE", "BlockScaled", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "blocked_dot", "shard_axes",
-    "sharded_free_dims",
+    "BLOCK_SIZE", "BlockScaled", "Delayed", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "blocked_dot",
+    "shard_axes", "sharded_free_dims",
 ]
 
 _F32 = np.dtype(jnp.float32)
@@ -85,24 +99,69 @@ class Tensorwise:
     def quantize(self, side, x, rest):
         return quantize(x, E4M3, self.power_of_two)
 
+    def quantize_cotangent(self, g, rest):
+        return quantize(g, self.gradient_format, self.power_of_two)
+
+    def operands(self, rest):
+        """The matmul's own operands among `rest` (a ragged dot's group sizes)."""
+        return rest
+
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
-        out = self.primitive.bind(q_lhs, q_rhs, *rest, **_accumulating(self.params, self.precisions[0]))
+        out = self.primitive.bind(q_lhs, q_rhs, *self.operands(rest), **_accumulating(self.params, self.precisions[0]))
         return (out * (s_lhs * s_rhs)).astype(self.out_dtype)
 
     def tangent(self, side, other, t, rest):
         q, s = other
-        return _tangent_product(self, side, t, lax.convert_element_type(q, _F32) * s, rest)
+        return _tangent_product(self, side, t, lax.convert_element_type(q, _F32) * s, self.operands(rest))
 
     def cotangent(self, side, other, aval, g, rest):
         q, s = other
-        q_g, s_g = quantize(g, self.gradient_format, self.power_of_two)
+        q_g, s_g = self.quantize_cotangent(g, rest)
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, aval, q), rest, _accumulating(self.params, self.precisions[1]), _F32,
-            only=side,
+            self.primitive, q_g, *_pair(side, aval, q), self.operands(rest),
+            _accumulating(self.params, self.precisions[1]), _F32, only=side,
         )
         # Integer operands (a ragged dot's group sizes) get no cotangent.
         return (_chosen(side, found) * (s_g * s)).astype(aval.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Delayed(Tensorwise):
+    """`Tensorwise` with each scale from an amax history: Transformer Engine's ``DelayedScaling``.
+
+    `rest` is ``(history,)``: the site's float32 ``[3, length]`` history
+    (`jaxamp.fp8._state`), an input of the differentiable matmul so that its
+    gradient can carry the step's amaxes out (`observe`, `observed`). Values
+    beyond a stale scale's range saturate to the format's largest; inf and NaN
+    pass through (see `quantize`).
+    """
+
+    algorithm: str = "max"
+    margin: int = 0
+
+    def _quantize_by_history(self, role: str, x: Any, history: Any, fmt: Any) -> tuple[Any, Any]:
+        x32 = lax.convert_element_type(x, _F32)
+        row = history[ROLES.index(role)]
+        scale = history_scale(row, x32, fmt, self.algorithm, self.margin, self.power_of_two)
+        return apply_scale(x32, scale, fmt), scale
+
+    def quantize(self, side, x, rest):
+        return self._quantize_by_history(side, x, rest[0], E4M3)
+
+    def quantize_cotangent(self, g, rest):
+        return self._quantize_by_history("cotangent", g, rest[0], self.gradient_format)
+
+    def operands(self, rest):
+        return ()
+
+    def observe(self, lhs, rhs):
+        """What `observed` needs from the forward pass: the operands' amaxes, float32 ``[2]``."""
+        return jnp.stack([finite_amax(lhs), finite_amax(rhs)])
+
+    def observed(self, forward, g, history_aval):
+        """The history's cotangent: this step's amaxes (`forward`'s and the cotangent `g`'s) in its newest column."""
+        return observation(forward, g, history_aval)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -630,7 +689,10 @@ class PerShard:
         contracted = [d for d in range(g.ndim) if d not in blocks]
         q_g, s_g = quantize_along(g, self.gradient_format, contracted, self.power_of_two)
         shape, spec = self._blocked_layout(side)
-        blocked = aval.update(shape=shape, dtype=_F32, sharding=NamedSharding(aval.sharding.mesh, P(*spec)))
+        # An operand not placed on the mesh (an uncommitted weight beside a
+        # sharded batch) has an empty mesh in its type: the context's is the one.
+        mesh = aval.sharding.mesh if not aval.sharding.mesh.empty else jax.sharding.get_abstract_mesh()
+        blocked = aval.update(shape=shape, dtype=_F32, sharding=NamedSharding(mesh, P(*spec)))
         found = _compat.matmul_cotangents(
             self.primitive, q_g, *_pair(side, blocked, self._with_front(other_side, q_other)), (),
             _accumulating(self.blocked_params, self.precisions[1]), _F32, only=side,

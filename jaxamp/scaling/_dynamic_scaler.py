@@ -32,6 +32,7 @@ from ._finite import (
     checked_scalar,
     is_inexact_leaf,
     local_all_finite,
+    map_gradients,
     on_every_device,
 )
 from ._scale_schedule import next_scale
@@ -206,14 +207,13 @@ def default_scale_fn(output: Any, state: DynamicScalerState) -> Any:
 def default_unscale_fn(results: Any, state: DynamicScalerState) -> Any:
     """Divide every inexact leaf of `results` by the scale.
 
-    The division promotes float16/bfloat16 leaves to the scaler's dtype (float32),
+    Gradients of a `jaxamp.Fp8State` (the observed amaxes, not derivatives)
+    are left as they are. The division promotes float16/bfloat16 leaves to the scaler's dtype (float32),
     so unscaled gradients do not underflow; float64 leaves stay float64. Integer,
     boolean and non-array leaves (e.g. equinox's ``None`` gradients) are returned
     unchanged.
     """
-    return jax.tree_util.tree_map(
-        lambda leaf: leaf / state.scaler if is_inexact_leaf(leaf) else leaf, results
-    )
+    return map_gradients(lambda leaf: leaf / state.scaler if is_inexact_leaf(leaf) else leaf, results)
 
 
 def _check_redo_on_nan(redo_on_nan: Any) -> None:

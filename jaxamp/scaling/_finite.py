@@ -57,6 +57,21 @@ def is_inexact_leaf(x: Any) -> bool:
     return isinstance(x, (float, complex))
 
 
+NOT_LOSS_SCALED = "__jaxamp_not_loss_scaled__"
+"""A class attribute: a gradient of an object of this class is not scaled by the loss scale.
+
+Set on `jaxamp.Fp8State`, whose "gradient" is the step's observed amaxes, not
+a derivative of the loss: unscaling it would divide the forward amaxes by the
+loss scale. `map_gradients` leaves such objects as they are.
+"""
+
+
+def map_gradients(fn: Any, tree: T) -> T:
+    """``fn`` applied to every leaf of a gradient `tree`, but those of objects marked `NOT_LOSS_SCALED`."""
+    marked = lambda x: getattr(type(x), NOT_LOSS_SCALED, False)  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: x if marked(x) else fn(x), tree, is_leaf=marked)
+
+
 def local_all_finite(tree: Any) -> jax.Array:
     """Whether every inexact leaf of `tree` is free of inf and NaN, on this device only.
 

@@ -37,6 +37,7 @@ from ._finite import (
     checked_scalar,
     is_inexact_leaf,
     local_all_finite,
+    map_gradients,
     on_every_device,
     select_tree,
 )
@@ -251,7 +252,7 @@ class GradScaler(eqx.Module):
             leaf = jnp.asarray(leaf)
             return (leaf.astype(jnp.float32) * inv_scale).astype(leaf.dtype)
 
-        unscaled = jax.tree_util.tree_map(unscale_leaf, grads)
+        unscaled = map_gradients(unscale_leaf, grads)
         finite = on_every_device(
             local_all_finite(unscaled), self._axis_name, what="GradScaler.unscale"
         )

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._finite import AxisName, on_every_device
+from ._finite import AxisName, map_gradients, on_every_device
 from ._scale_schedule import next_scale
 
 __all__ = [
@@ -66,7 +66,7 @@ def warn_if_not_floating(x: Any, var_name: str) -> None:
 
 
 def _scale_leaves(tree: T, factor: Any) -> T:
-    return jax.tree_util.tree_map(lambda leaf: leaf * factor, tree)
+    return map_gradients(lambda leaf: leaf * factor, tree)
 
 
 @dataclasses.dataclass(frozen=True)

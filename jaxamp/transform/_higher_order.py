@@ -20,10 +20,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _compat
 from .._casting import cast_value, dtype_of
 from .._dtypes import is_castable
+from . import _site_state
 from ._interpreter import AmpContext, Handler, interpret, register
 from ._linearity import tangents_of
 
@@ -60,6 +62,11 @@ def _out_dtypes(closed: Any) -> list:
     return [a.dtype for a in closed.out_avals]
 
 
+def _threads_site_state() -> bool:
+    state = _site_state.active()
+    return state is not None and not state.paused
+
+
 # --- calls: jit, closed_call, remat ----------------------------------------------
 
 
@@ -72,7 +79,8 @@ _AMP_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     """`closed` re-traced under amp for operands as amp holds them."""
-    cacheable = ctx.observer is None and not ctx.inline
+    # A body whose sites take a call's state (`_site_state`) is never shared.
+    cacheable = ctx.observer is None and not ctx.inline and _site_state.active() is None
     # The policy is a `PolicyTable` snapshot, hashed by its contents, so a
     # table edited between calls never serves a body rewritten under the old one.
     # The body's statistics plan depends on its operands' classes at this call.
@@ -103,6 +111,14 @@ def _call_handler(primitive: Any, jaxpr_param: str) -> Handler:
         closed = eqn.params[jaxpr_param]
         if ctx.inline:
             return interpret(closed.jaxpr, closed.consts, invals, ctx)
+        if _threads_site_state():
+            # The body's sites read the caller's state: pass it in as inputs
+            # (a closed jaxpr's constants are not differentiated, so its
+            # gradient, the state's update, would be lost).
+            body = _amp_body(closed.jaxpr, closed.consts, ctx)
+            new, hoisted = _compat.trace_to_jaxpr_with_consts_as_inputs(body, _avals_like(closed.in_avals, invals))
+            params = _compat.call_params_with_extra_inputs(primitive, eqn.params, new, len(hoisted))
+            return primitive.bind(*hoisted, *invals, **primitive.get_bind_params(params))
         params = dict(eqn.params, **{jaxpr_param: _amp_closed_jaxpr(ctx, closed, invals)})
         return primitive.bind(*invals, **primitive.get_bind_params(params))
 
@@ -168,9 +184,13 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     xs = invals[num_consts + num_carry :]
     if ctx.inline:
         return _scan_inline(ctx, eqn, consts, init, xs)
-    body_ctx = ctx.repeated(params["length"])
+    length = params["length"]
+    body_ctx = ctx.repeated(length)
     in_avals = closed.in_avals
     original_carry = [a.dtype for a in in_avals[num_consts : num_consts + num_carry]]
+    # With a site state, the body also takes its iteration's index (see `_site_state`).
+    state = _site_state.active() if _threads_site_state() else None
+    start = state.position if state is not None else 0
 
     def trace(carry_dtypes, cast_to):
         out_dtypes = None if cast_to is None else [*cast_to, *_out_dtypes(closed)[num_carry:]]
@@ -183,10 +203,16 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
             *carry_avals,
             *_avals_like(in_avals[num_consts + num_carry :], xs),
         ]
-        return _trace_loop_body(closed, body_ctx, avals, out_dtypes)
+        if state is None:
+            return _trace_loop_body(closed, body_ctx, avals, out_dtypes)
+        state.rewind(start)
+        index = _compat.abstract_value(np.int32(0))
+        return _trace_loop_body(closed, body_ctx, [*avals, index], out_dtypes, loop=(state, length))
 
     traced, carry_dtypes = _settle_carry(trace, [dtype_of(x) for x in init], original_carry, num_carry)
     _report(ctx, traced)
+    if state is not None:
+        return _scan_with_index(traced, params, consts, _cast_all(init, carry_dtypes), xs)
     new_params = _compat.scan_params_with_extra_consts(params, traced.closed, len(traced.hoisted))
     return _compat.scan_p.bind(
         *traced.hoisted, *consts, *_cast_all(init, carry_dtypes), *xs, **new_params
@@ -207,12 +233,43 @@ class _Traced(NamedTuple):
         return self.closed.out_avals
 
 
-def _trace_loop_body(body_jaxpr, ctx: AmpContext, avals: list, out_dtypes) -> _Traced:
+def _trace_loop_body(body_jaxpr, ctx: AmpContext, avals: list, out_dtypes, loop=None) -> _Traced:
+    """Trace a loop body under amp; with `loop` ``(site state, length)``, its last input is the iteration."""
     events: list = []
     if ctx.observer is not None:
         ctx = dataclasses.replace(ctx, observer=events.append)
     body = _amp_body(body_jaxpr.jaxpr, body_jaxpr.consts, ctx, out_dtypes)
+    if loop is not None:
+        state, length = loop
+        amp_body = body
+
+        def body(*args):
+            with state.loop(args[-1], length):
+                return amp_body(*args[:-1])
+
     return _Traced(*_compat.trace_to_jaxpr_with_consts_as_inputs(body, avals), events)
+
+
+def _scan_with_index(traced: _Traced, params: dict, consts: list, init: list, xs: list) -> list:
+    """The amp'd scan body run by `jax.lax.scan`, with ``arange(length)`` as its last input.
+
+    Through the public API, not by binding ``scan_p`` with one more input:
+    scan's parameters describe its inputs differently across JAX releases.
+    """
+    num_carry, length = len(init), params["length"]
+    body = _compat.jaxpr_as_fun(traced.closed)
+
+    def step(carry, inputs):
+        x, index = inputs
+        outs = body(*traced.hoisted, *consts, *carry, *x, index)
+        return list(outs[:num_carry]), list(outs[num_carry:])
+
+    iterations = jnp.arange(length, dtype=np.int32)
+    carry, ys = jax.lax.scan(
+        step, list(init), (list(xs), iterations), length=length, reverse=params["reverse"],
+        unroll=params.get("unroll", 1),
+    )
+    return [*carry, *ys]
 
 
 def _report(ctx: AmpContext, traced: _Traced) -> None:
@@ -256,12 +313,16 @@ def _while(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         return carry
     body_avals = body_closed.in_avals
     original_carry = [a.dtype for a in body_avals[body_n:]]
+    state = _site_state.active()
+    start = state.position if state is not None else 0
 
     def trace(carry_dtypes, cast_to):
         avals = [
             *_avals_like(body_avals[:body_n], body_consts),
             *(_compat.with_dtype(a, d) for a, d in zip(body_avals[body_n:], carry_dtypes)),
         ]
+        if state is not None:  # one value per site for every iteration (see `_site_state`)
+            state.rewind(start)
         return _trace_loop_body(body_closed, ctx, avals, cast_to)
 
     traced, carry_dtypes = _settle_carry(trace, [dtype_of(x) for x in init], original_carry, len(init))
@@ -330,13 +391,18 @@ def _cond(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
 
 # --- custom derivatives -------------------------------------------------------------
 
+# Why a custom rule's sites take no state (`_site_state.pause`): JAX traces
+# and transposes its rules apart from the program, so no value can pass in.
+_IN_CUSTOM_RULE = "inside a %s function, whose rules JAX traces apart from the program"
+
 
 @register(_compat.custom_jvp_call_p)
 def _custom_jvp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     params, (call_jaxpr, num_consts), jvp_jaxpr_fun = _compat.custom_jvp_subfuns(eqn.params)
     if ctx.inline:
         return interpret(call_jaxpr.jaxpr, call_jaxpr.consts, invals, ctx)
-    primal = _amp_closed_jaxpr(ctx, call_jaxpr, invals)
+    with _site_state.paused(_IN_CUSTOM_RULE % "jax.custom_jvp"):
+        primal = _amp_closed_jaxpr(ctx, call_jaxpr, invals)
     out_dtypes = _out_dtypes(primal)
 
     def jvp(*xs):
@@ -347,7 +413,9 @@ def _custom_jvp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         zeros = [isinstance(t, _compat.SymbolicZero) for t in tangents]
         jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
         nonzero = [t for t in tangents if not isinstance(t, _compat.SymbolicZero)]
-        with tangents_of(jvp_jaxpr, jvp_jaxpr.invars[len(primals) :]):
+        with tangents_of(jvp_jaxpr, jvp_jaxpr.invars[len(primals) :]), _site_state.paused(
+            _IN_CUSTOM_RULE % "jax.custom_jvp"
+        ):
             out = interpret(jvp_jaxpr, jvp_consts, [*primals, *nonzero], ctx)
         out_primals = _cast_all(out[: len(out_zeros)], out_dtypes)
         nonzero_out = iter(out[len(out_zeros) :])
@@ -371,7 +439,8 @@ def _custom_vjp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     params, (call_jaxpr, num_consts), fwd_jaxpr_thunk, bwd = _compat.custom_vjp_subfuns(eqn.params)
     if ctx.inline:
         return interpret(call_jaxpr.jaxpr, call_jaxpr.consts, invals, ctx)
-    primal = _amp_closed_jaxpr(ctx, call_jaxpr, invals)
+    with _site_state.paused(_IN_CUSTOM_RULE % "jax.custom_vjp"):
+        primal = _amp_closed_jaxpr(ctx, call_jaxpr, invals)
     out_dtypes = _out_dtypes(primal)
     num_out = len(out_dtypes)
     in_dtypes = [dtype_of(x) for x in invals]
@@ -383,7 +452,8 @@ def _custom_vjp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         if any(nonzeros[:num_consts]):
             raise _compat.CustomVJPException()
         fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*nonzeros[num_consts:])
-        out = interpret(fwd_jaxpr, fwd_consts, primals, ctx)
+        with _site_state.paused(_IN_CUSTOM_RULE % "jax.custom_vjp"):
+            out = interpret(fwd_jaxpr, fwd_consts, primals, ctx)
         res, outs = out[: len(out) - num_out], out[len(out) - num_out :]
         return [*res, *_cast_all(outs, out_dtypes)]
 
@@ -416,7 +486,8 @@ def _amp_bwd_call(ctx: AmpContext, bwd: Any, args: tuple) -> tuple[list, Any]:
         return [o for o in cts if not _compat.is_zero(o)] + log_leaves
 
     closed = _compat.trace_to_closed_jaxpr(flat_bwd, [_compat.abstract_value(a) for a in args])
-    outs = interpret(closed.jaxpr, closed.consts, args, ctx)
+    with _site_state.paused(_IN_CUSTOM_RULE % "jax.custom_vjp"):
+        outs = interpret(closed.jaxpr, closed.consts, args, ctx)
     num_cts = len(outs) - captured["log_tree"].num_leaves
     computed = iter(outs[:num_cts])
     cts = [o if _compat.is_zero(o) else next(computed) for o in captured["cts"]]
@@ -429,5 +500,7 @@ def _amp_bwd_call(ctx: AmpContext, bwd: Any, args: tuple) -> tuple[list, Any]:
 @register(_compat.shard_map_p)
 def _shard_map(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     jaxpr = eqn.params["jaxpr"]
-    params = _compat.shard_map_body(eqn.params, _amp_body(jaxpr, (), ctx))
-    return list(_compat.shard_map_p.bind(*invals, **params))
+    # JAX traces the body during the bind, within this pause.
+    with _site_state.paused("inside a shard_map body, whose devices would each see their own amax"):
+        params = _compat.shard_map_body(eqn.params, _amp_body(jaxpr, (), ctx))
+        return list(_compat.shard_map_p.bind(*invals, **params))

@@ -26,6 +26,7 @@ from .._jaxpr import merge_runs
 from ..analyses._regions import Regions
 from ..analyses._statistics import plan_statistics
 from ..analyses._tail import tail_equations
+from . import _site_state
 from ._rules import PolicyTable, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
 
@@ -381,6 +382,9 @@ def _evaluate_recomputed(
         program = _RECOMPUTED.get(key)
     except TypeError:  # an unhashable parameter, literal or context: traced afresh
         key, program = None, None
+    if _site_state.active() is not None:
+        # Its sites take this call's state (`_site_state`): never shared.
+        key, program = None, None
     if program is None:
         program = _compat.trace_to_jaxpr_with_consts_as_inputs(recompute, avals)
         if key is not None and not any(isinstance(c, jax.core.Tracer) for c in program[1]):
@@ -530,6 +534,9 @@ def _apply_rule(
         """``(outputs, operands as bound, their dtypes, the rewrite or None)``."""
         rewrite = None
         if hasattr(choice.rule, "rewrite_equation"):
+            site_state = _site_state.active()
+            if site_state is not None:  # names the equation's site, should the rule take one
+                site_state.scopes = scopes
             rewrite = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *operands, **params)
         if rewrite is not None and rewrite.fn is not None:
             return rewrite.fn(*operands), operands, tuple(rewrite.operand_dtypes), rewrite

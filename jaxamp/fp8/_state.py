@@ -1,0 +1,175 @@
+"""The delayed recipe's state: an amax history per float8 matmul, threaded by the train step.
+
+``Fp8Recipe(scaling="delayed")`` is Transformer Engine's ``DelayedScaling``:
+each float8 matmul's operands and cotangent are scaled by an amax taken from
+the past steps' amaxes (the largest over `Fp8Recipe.amax_history_length`
+steps, or the most recent), not from the live tensor. The histories are an
+`Fp8State`, which the step passes to the amp'd function
+(``fn(*args, fp8_state=state)``) and gets back updated through the gradient,
+as flax's fp8 ops return theirs:
+
+* The gradient of the loss with respect to the state holds the step's amaxes
+  (forward operands and cotangent; column 0 of each history, zeros
+  elsewhere): `Fp8State.update` rolls them into the histories.
+* Gradient accumulation: combine the micro-batches' observations with
+  `Fp8State.combine` (their maximum, as Transformer Engine reduces amaxes),
+  not by summing them as gradients are.
+* A matmul inside a scan over layers has one history per layer (the state
+  holds it stacked along the scan's length).
+* Every value is a global reduction under `jit` on a mesh, so every device
+  and process holds the same state and takes the same scales; the same
+  scales serve a `jax.checkpoint` recompute, since they come from the state.
+
+A history that holds no amax yet (the first step, or a matmul the loss does
+not reach) takes the live amax instead, as current scaling does, so the first
+step does not run with scale 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..transform._site_state import SiteState
+from ._quantize import finite_amax, scale_for_amax
+
+__all__ = ["ROLES", "Fp8State", "history_scale", "observation"]
+
+ROLES = ("lhs", "rhs", "cotangent")
+"""The rows of a matmul's history: its left and right operands, and the cotangent of its result."""
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Fp8State:
+    """The delayed recipe's amax histories: one per float8 matmul of an amp'd program.
+
+    Made by `jaxamp.init_fp8_state`; a pytree of float32 arrays (checkpoint it
+    with the train state; Orbax saves and restores it), keyed by each matmul's
+    named scopes and primitive.
+
+    Attributes:
+        histories: ``{site name: float32[*scan lengths, 3, history length]}``,
+            rows `ROLES`, column 0 the newest step, in the program's order of
+            matmuls. A matmul inside a `lax.scan` has one history per
+            iteration, stacked along the scan's length (outermost first).
+    """
+
+    # Its gradient is the step's observed amaxes, which loss scalers must not
+    # unscale (`jaxamp.scaling._finite.NOT_LOSS_SCALED`).
+    __jaxamp_not_loss_scaled__ = True
+
+    def __init__(self, histories: Mapping[str, Any]):
+        self.histories = dict(histories)
+
+    def tree_flatten_with_keys(self):
+        names = tuple(self.histories)
+        return [(jax.tree_util.DictKey(n), self.histories[n]) for n in names], names
+
+    @classmethod
+    def tree_unflatten(cls, names, leaves):
+        return cls(dict(zip(names, leaves)))
+
+    def __repr__(self) -> str:
+        sites = ", ".join(f"{n!r}: {getattr(h, 'shape', h)}" for n, h in self.histories.items())
+        return f"Fp8State({{{sites}}})"
+
+    @classmethod
+    def from_sites(cls, sites: SiteState) -> Fp8State:
+        """Empty histories (zeros) for the sites a program's trace found (`SiteState.sites`)."""
+        histories: dict[str, Any] = {}
+        for name, shape in sites.sites:
+            key, k = name, 1
+            while key in histories:  # the same scopes and primitive again: numbered in program order
+                k += 1
+                key = f"{name}#{k}"
+            histories[key] = jnp.zeros(shape, jnp.float32)
+        return cls(histories)
+
+    def site_state(self) -> SiteState:
+        """The `SiteState` that threads these histories through one call of the program."""
+        sites = [(_site_name(key), tuple(np.shape(h))) for key, h in self.histories.items()]
+        return SiteState(values=list(self.histories.values()), sites=sites)
+
+    def update(self, observed: Fp8State) -> Fp8State:
+        """The histories with the step's amaxes `observed` rolled in as the newest column.
+
+        Args:
+            observed: the gradient of the loss with respect to this state (or
+                several micro-batches' gradients combined by `combine`).
+
+        Raises:
+            TypeError: `observed` is not an `Fp8State`.
+            ValueError: it holds other sites or shapes than this state.
+        """
+        self._check_matches(observed, "update")
+
+        def roll(history, seen):
+            return jnp.concatenate([seen[..., :1], history[..., :-1]], axis=-1).astype(history.dtype)
+
+        return Fp8State({n: roll(h, observed.histories[n]) for n, h in self.histories.items()})
+
+    def combine(self, other: Fp8State) -> Fp8State:
+        """The entrywise maximum of two observations (two micro-batches' gradients with respect to the state).
+
+        Raises:
+            TypeError, ValueError: as `update`.
+        """
+        self._check_matches(other, "combine")
+        return Fp8State({n: jnp.maximum(h, other.histories[n]) for n, h in self.histories.items()})
+
+    def amax(self, name: str, algorithm: str = "max") -> Any:
+        """The amaxes the next step scales site `name` by: float32 ``[*scan lengths, 3]`` (rows `ROLES`).
+
+        0 where the history holds none yet (the step then takes the live amax).
+        """
+        history = self.histories[name]
+        return jnp.max(history, axis=-1) if algorithm == "max" else history[..., 0]
+
+    def _check_matches(self, other: Any, what: str) -> None:
+        if not isinstance(other, Fp8State):
+            raise TypeError(
+                f"Fp8State.{what} takes an Fp8State (the gradient of the loss with respect to the state), "
+                f"got {type(other).__name__}."
+            )
+        mine = {n: np.shape(h) for n, h in self.histories.items()}
+        theirs = {n: np.shape(h) for n, h in other.histories.items()}
+        if mine != theirs:
+            raise ValueError(
+                f"Fp8State.{what}: the two states hold different sites or shapes ({mine} against "
+                f"{theirs}); both must come from the same program."
+            )
+
+
+def _site_name(key: str) -> str:
+    """A history's site name without the number `Fp8State.from_sites` gave a repeated one."""
+    name, _, k = key.rpartition("#")
+    return name if name and k.isdigit() else key
+
+
+def history_scale(history_row: Any, x32: Any, fmt: Any, algorithm: str, margin: int, power_of_two: bool) -> Any:
+    """The scale of `x32` (float32) in `fmt` from its history row (the live amax while the row is empty).
+
+    ``amax * 2**margin / max(fmt)``, amax the row's maximum (``"max"``) or its
+    newest entry (``"most_recent"``), as Transformer Engine's ``DelayedScaling``.
+    """
+    past = lax.reduce_max(history_row, (0,)) if algorithm == "max" else history_row[0]
+    amax = lax.select(past > 0, past, finite_amax(x32))
+    return scale_for_amax(amax * np.float32(2.0**margin), fmt, power_of_two)
+
+
+def observation(forward: Any, g: Any, history_aval: Any) -> Any:
+    """A history-shaped cotangent holding the step's amaxes in column 0, zeros elsewhere.
+
+    Args:
+        forward: float32 ``[2]``: the left and right operands' amaxes.
+        g: the cotangent of the matmul's result.
+        history_aval: the type of the site's history (``[3, length]``).
+    """
+    column = lax.concatenate([forward, lax.expand_dims(finite_amax(g), (0,))], 0)
+    length = history_aval.shape[-1]
+    return lax.pad(lax.expand_dims(column, (1,)), np.float32(0), ((0, 0, 0), (0, length - 1, 0)))
