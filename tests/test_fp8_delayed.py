@@ -385,3 +385,26 @@ def test_each_branch_of_a_cond_has_its_own_history():
         grad(params, state, False)[1].histories["dot_general"][0, 0],
         2 * grad(params, state, True)[1].histories["dot_general#2"][0, 0], rtol=1e-6,
     )
+
+
+def test_a_convolution_takes_its_history_without_a_warning():
+    def f(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+
+    k = jax.random.split(jax.random.key(2), 2)
+    w, x = jax.random.normal(k[0], (3, 3, 16, 32)) * 0.1, jax.random.normal(k[1], (4, 8, 8, 16))
+    loss = jaxamp.amp(f, compute_dtype=_recipe())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = jaxamp.init_fp8_state(loss, w, x)
+        grads, observed = jax.jit(jax.grad(lambda w, s: loss(w, x, fp8_state=s), argnums=(0, 1)))(w, state)
+    assert list(state.histories) == ["conv_general_dilated"]
+    np.testing.assert_allclose(observed.histories["conv_general_dilated"][:2, 0], [
+        np.abs(_bf16(x)).max(), np.abs(_bf16(w)).max()
+    ], rtol=4e-3)  # fmt: skip
+    assert observed.histories["conv_general_dilated"][2, 0] > 0
+    # The convolution's gradients run e4m3 on both sides (it takes one dtype).
+    grad = jax.grad(lambda w, s: loss(w, x, fp8_state=s), argnums=(0, 1))
+    matmuls = matmul_operand_dtypes(jax.make_jaxpr(grad)(w, state))
+    assert all(dtypes == (E4M3, E4M3) for _, dtypes in matmuls), matmuls

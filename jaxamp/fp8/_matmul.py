@@ -254,7 +254,7 @@ class Fp8MatmulRule:
                 recipe, scaling="tensorwise", power_of_two_scales=True, gradient_format=dtype_short_name(gradient)
             )
             description = formats(name, tensorwise) + f" ({recipe.scaling}: {unblocked})"
-        elif name == "conv_general_dilated" and recipe.scaling != "tensorwise":
+        elif name == "conv_general_dilated" and recipe.scaling not in ("tensorwise", "delayed"):
             unblocked = "a convolution, which it does not scale by rows or blocks"
             description += f" ({recipe.scaling}: {unblocked})"
         if unblocked:
