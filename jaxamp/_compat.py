@@ -523,6 +523,25 @@ def is_differentiation_tracer(x: Any) -> bool:
     return isinstance(x, (ad.JVPTracer, getattr(ad, "LinearizeTracer", ad.JVPTracer)))
 
 
+def differentiation_depth(x: Any) -> int:
+    """How many differentiations (JVP or linearize traces, nested) `x` is traced under.
+
+    1 under `jax.grad` or `jax.jvp`; 2 under a Hessian or `jax.jvp` of
+    `jax.grad`. `vmap` levels between them are looked through.
+    """
+    from jax._src.interpreters import ad, batching
+
+    differentiating = (ad.JVPTracer, getattr(ad, "LinearizeTracer", ad.JVPTracer))
+    depth = 0
+    while True:
+        if isinstance(x, differentiating):
+            depth, x = depth + 1, x.primal
+        elif isinstance(x, batching.BatchTracer):
+            x = x.val
+        else:
+            return depth
+
+
 @_internal
 def custom_jvp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any]:
     """Split `custom_jvp_call` params into bind params, the primal jaxpr and the jvp thunk."""

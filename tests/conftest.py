@@ -16,7 +16,15 @@ import pytest  # noqa: E402  (after the XLA flag above)
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    """amp warns once per primitive per process: each test hears its own."""
-    from jaxamp.transform import _interpreter
+    """amp warns once per primitive per process: each test hears its own.
+
+    amp's caches of rewritten bodies are emptied too: a body served from them
+    is not rewritten again, so its warnings would not be said again.
+    """
+    import weakref
+
+    from jaxamp.transform import _higher_order, _interpreter
 
     monkeypatch.setattr(_interpreter, "_warned", set())
+    monkeypatch.setattr(_interpreter, "_RECOMPUTED", {})
+    monkeypatch.setattr(_higher_order, "_AMP_BODIES", weakref.WeakKeyDictionary())

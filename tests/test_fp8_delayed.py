@@ -338,7 +338,7 @@ def test_errors_name_the_fix():
             jaxamp.Fp8Recipe(scaling="delayed", **bad)
 
 
-def test_not_differentiating_the_state_warns_once():
+def test_not_differentiating_the_state_warns_once(fresh_warnings):
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
     state = jaxamp.init_fp8_state(loss, params, x, c)
@@ -346,7 +346,7 @@ def test_not_differentiating_the_state_warns_once():
         jax.grad(lambda p: loss(p, x, c, fp8_state=state))(params)
 
 
-def test_a_custom_vjp_or_shard_map_body_runs_from_live_values_and_says_why():
+def test_a_custom_vjp_body_runs_from_live_values_and_says_why(fresh_warnings):
     @jax.custom_vjp
     def inner(x, w):
         return x @ w

@@ -4,7 +4,9 @@ The float8 matmul is a `jax.custom_jvp` whose tangent products are
 `linear_call`s transposed into float8 gradient matmuls (see
 `jaxamp.fp8._differentiable`): forward mode (`jax.jvp`, `jax.linearize`,
 `jax.jacfwd`), reverse mode and `vmap` of either work, and so do
-`jax.custom_jvp` rules with matmuls; differentiating a derivative raises
+`jax.custom_jvp` rules with matmuls; where amp sees a derivative of a
+derivative (its operands differentiated twice) the matmul runs in bf16 with a
+warning, and where it cannot (a derivative of a traced derivative) it raises
 `Fp8HigherOrderError` rather than returning one without the terms the float8
 residuals cannot carry.
 
@@ -115,12 +117,42 @@ HIGHER_ORDER = {
 }
 
 
-@pytest.mark.parametrize("transformation", sorted(HIGHER_ORDER))
-def test_differentiating_a_derivative_through_a_float8_residual_raises_a_clear_error(transformation):
-    # Before, fp8 mode returned -inf (forward over reverse) or half the value
-    # (grad of grad) without a word; bf16 mode gives float32's answer here.
+@pytest.mark.parametrize("transformation", sorted(set(HIGHER_ORDER) - {"jvp(jit(grad))"}))
+def test_a_derivative_of_a_derivative_runs_its_matmuls_in_bf16_with_a_warning(transformation, fresh_warnings):
+    # Once fp8 mode returned -inf (forward over reverse) or half the value
+    # (grad of grad) without a word, then raised. amp sees the operands
+    # differentiated twice and runs those matmuls as bf16 mode does, whose
+    # answer here is float32's.
     loss, w, v = _problem()
     run = HIGHER_ORDER[transformation]
+    with pytest.warns(UserWarning, match="run in bfloat16 where their operands are differentiated twice"):
+        got = run(jaxamp.amp(loss, compute_dtype=RECIPES["tensorwise"]), w, v)
+    _assert_equal(got, run(loss, w, v))
+
+
+def test_a_hessian_in_fp8_mode_is_bf16_modes_on_random_values(fresh_warnings):
+    k = jax.random.split(jax.random.key(0), 3)
+    x, w1, w2 = (jax.random.normal(ki, (32, 32)) for ki in k)
+
+    def loss(w1, w2):
+        return jnp.sum(jnp.tanh(x @ w1) @ w2) ** 2
+
+    # Both matmuls in float8 (they share jnp.matmul's body, the last matmul's).
+    recipe = jaxamp.Fp8Recipe(keep_last_matmul_bf16=False)
+    with pytest.warns(UserWarning, match="differentiated twice"):
+        fp8 = jax.jit(jax.hessian(jaxamp.amp(loss, compute_dtype=recipe), (0, 1)))(w1, w2)
+    bf16 = jax.jit(jax.hessian(jaxamp.amp(loss, compute_dtype="bf16"), (0, 1)))(w1, w2)
+    _assert_equal(fp8, bf16)
+    # While the first derivative stays float8.
+    matmuls = matmul_operand_dtypes(jax.make_jaxpr(jax.grad(jaxamp.amp(loss, compute_dtype=recipe), (0, 1)))(w1, w2))
+    assert sum(E5M2 in dtypes for _, dtypes in matmuls) == 3, matmuls
+
+
+def test_a_derivative_taken_of_a_traced_derivative_raises_a_clear_error():
+    # jax.jvp of a jax.jit'd gradient differentiates the traced program, which
+    # amp never sees differentiated twice: the float8 residual's guard says so.
+    loss, w, v = _problem()
+    run = HIGHER_ORDER["jvp(jit(grad))"]
     _assert_equal(run(jaxamp.amp(loss, compute_dtype="bf16"), w, v), run(loss, w, v))
     with pytest.raises(jaxamp.Fp8HigherOrderError, match="differentiated again.*compute_dtype='bf16'"):
         run(jaxamp.amp(loss, compute_dtype=RECIPES["tensorwise"]), w, v)

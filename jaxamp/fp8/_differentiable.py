@@ -15,9 +15,10 @@ straight-through one (quantisation counted as the identity):
   product; and a transpose of a transpose is the tangent product again.
 * Differentiating the derivative itself (a Hessian, `jax.jvp` of `jax.grad`,
   grad of grad) would need the tangent's dependence on the other operand,
-  which the float8 residual does not carry: `_first_order_only` raises
-  `Fp8HigherOrderError` there instead of returning a derivative missing those
-  terms.
+  which the float8 residual does not carry. Where amp sees the operands
+  differentiated twice, the matmul is not made float8 at all (it runs in
+  bf16, `jaxamp.fp8._matmul`); elsewhere `_first_order_only` raises
+  `Fp8HigherOrderError` instead of returning a derivative missing those terms.
 """
 
 from __future__ import annotations
@@ -160,8 +161,10 @@ _HIGHER_ORDER = (
     "of jax.grad, grad of grad, jax.jacfwd of jax.jacrev). fp8 mode differentiates its matmuls in "
     "forward mode (jax.jvp, jax.linearize, jax.jacfwd) and in first-order reverse mode (jax.grad, "
     "jax.vjp); the second derivative would need the operands in high precision, which fp8 mode does "
-    "not keep. Use compute_dtype='bf16' for this function, or keep the matmul out of float8 (a "
-    "policy entry for its scope, Fp8Recipe.min_flops)."
+    "not keep. Where amp sees its operands differentiated twice it runs those matmuls in bfloat16 "
+    "itself; here the outer derivative was taken of an already traced one (jax.jvp of a jax.jit'd "
+    "jax.grad, say): put the jit around both derivatives, use compute_dtype='bf16' for this "
+    "function, or keep the matmul out of float8 (a policy entry for its scope, Fp8Recipe.min_flops)."
 )
 
 

@@ -18,8 +18,9 @@ torchao's tensorwise dynamic scaling:
   sides, so their gradient convolutions run e4m3 x e4m3 (see
   `Fp8Recipe.gradient_dtype`; `Fp8Recipe.gradient_format` chooses). The
   scaled matmul's derivative is the straight-through one, in forward and
-  reverse mode; differentiating it again raises (see
-  `jaxamp.fp8._differentiable`).
+  reverse mode; a matmul whose operands amp sees differentiated twice runs in
+  bf16 (`_differentiated_twice`), and differentiating a traced derivative
+  again raises (see `jaxamp.fp8._differentiable`).
 
 The scaling schemes (tensorwise, delayed, rowwise, per group, per shard,
 blocks) are in `jaxamp.fp8._schemes`, the quantisers in
@@ -50,7 +51,7 @@ from .._casting import dtype_of
 from .._dtypes import dtype_short_name, is_castable
 from .._jaxpr import MATMUL_NAMES, equation_flops, matmuls_in
 from ..transform import _site_state
-from ..transform._interpreter import HANDLERS, EquationRewrite, warn_once
+from ..transform._interpreter import HANDLERS, EquationRewrite, differentiation_depth, warn_once
 from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, use_compute_precision
 from ._differentiable import differentiable_matmul, tangent_product
@@ -218,7 +219,7 @@ class Fp8MatmulRule:
         self, compute_dtype, original_dtypes, eqn, *invars, **bind_params
     ) -> EquationRewrite:
         """Replace a matmul equation by the scaled float8 matmul, or say why not."""
-        reason = self._keep_out(original_dtypes, eqn)
+        reason = self._keep_out(original_dtypes, eqn) or _differentiated_twice()
         if reason:
             return EquationRewrite(None, (), f"kept {dtype_short_name(compute_dtype)}: {reason}")
         lhs, rhs, *rest = invars
@@ -315,6 +316,28 @@ class Fp8MatmulRule:
         if flops < self.recipe.min_flops:
             return f"{flops} FLOPs < min_flops {self.recipe.min_flops}"
         return ""
+
+
+def _differentiated_twice() -> str:
+    """Why a matmul under two differentiations runs in bf16 (said once), or ``""``.
+
+    The float8 matmul's derivative is first-order (`jaxamp.fp8._differentiable`):
+    where amp sees its operands differentiated twice (a Hessian, `jax.jvp` of
+    `jax.grad`, grad of grad, with `amp` inside both), the matmul runs as bf16
+    mode runs it, whose derivatives JAX takes to any order. Where amp cannot see
+    it (the outer derivative taken of a `jax.jit`'d derivative after tracing),
+    `Fp8HigherOrderError` is raised instead.
+    """
+    if differentiation_depth() < 2:
+        return ""
+    reason = "differentiated twice (a Hessian, jax.jvp of jax.grad, grad of grad), which float8 matmuls are not"
+    warn_once(
+        ("fp8_higher_order", ""),
+        f"jaxamp fp8 mode: matmuls run in bfloat16 where their operands are {reason}: the derivatives "
+        "are bf16 mode's. jaxamp.explain does not see this (it runs undifferentiated).",
+        UserWarning,
+    )
+    return reason
 
 
 def _delayed_history(name: str, length: int) -> tuple[Any, str]:

@@ -88,7 +88,9 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     # the body's own avals and these dtypes), built only on a miss.
     statistics = ctx.statistics_inputs[1] if ctx.statistics_inputs is not None else None
     dtypes = tuple([dtype_of(v) for v in invals])
-    key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics, ctx.recompute)
+    # Rules tell first derivatives from higher ones only (`differentiation_depth`).
+    higher_order = ctx.differentiated >= 2
+    key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics, ctx.recompute, higher_order)
     if cacheable:
         try:
             return _AMP_BODIES[closed][key]

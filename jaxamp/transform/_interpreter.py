@@ -10,6 +10,7 @@ keeps its per-primitive rule tables beside each interpreter.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import warnings
@@ -36,6 +37,7 @@ __all__ = [
     "EquationEvent",
     "EquationRewrite",
     "Handler",
+    "differentiation_depth",
     "interpret",
     "register",
     "warn_once",
@@ -128,6 +130,10 @@ class AmpContext:
         recompute: evaluate norm regions and the program's tail under
             `jax.checkpoint` (see `_evaluate_recomputed`); off for programs
             that are never differentiated (eager calls), where it only costs.
+        differentiated: how many differentiations enclose the values of the
+            call sites around this jaxpr (`_compat.differentiation_depth`):
+            a body is traced on abstract values, which no longer show it.
+            Rules read it for each equation with `differentiation_depth`.
     """
 
     compute_dtype: np.dtype
@@ -140,14 +146,18 @@ class AmpContext:
     statistics_inputs: tuple[Any, tuple] | None = None
     tail: bool = False
     recompute: bool = True
+    differentiated: int = 0
 
-    def nested(self, eqn: Any, statistics_inputs: tuple[Any, tuple] | None = None) -> AmpContext:
-        """The context for the bodies of `eqn`, a higher-order equation."""
+    def nested(
+        self, eqn: Any, statistics_inputs: tuple[Any, tuple] | None = None, invals: Sequence[Any] = ()
+    ) -> AmpContext:
+        """The context for the bodies of `eqn`, a higher-order equation called with `invals`."""
         return dataclasses.replace(
             self,
             scopes=self.scopes + _compat.eqn_scopes(eqn),
             call_sites=self.call_sites + (eqn,),
             statistics_inputs=statistics_inputs,
+            differentiated=max(self.differentiated, *map(_compat.differentiation_depth, invals), 0),
         )
 
     def repeated(self, times: int) -> AmpContext:
@@ -219,7 +229,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
             if handler is not None:
                 call_inputs = plan.call_inputs.get(i)
                 nested = ctx.nested(
-                    eqn, None if call_inputs is None else (_compat.call_body(eqn), call_inputs)
+                    eqn, None if call_inputs is None else (_compat.call_body(eqn), call_inputs), invals
                 )
                 if in_tail and not nested.tail:
                     nested = dataclasses.replace(nested, tail=True)
@@ -259,7 +269,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
             # context, and the statistics plan (of the equations and of the
             # bodies they call, planned with their operands' classes).
             key = (
-                ctx.compute_dtype, ctx.policy, ctx.scopes, ctx.tail,
+                ctx.compute_dtype, ctx.policy, ctx.scopes, ctx.tail, ctx.differentiated >= 2,
                 tuple(
                     (k in plan.statistics, k in plan.bounded, k in tail, plan.call_inputs.get(k))
                     for k in run
@@ -467,6 +477,21 @@ def _run_handler(
         return _apply_rule(ctx, eqn, invals, force_original=True)
 
 
+_DIFFERENTIATED: contextvars.ContextVar[int] = contextvars.ContextVar("jaxamp_differentiated", default=0)
+
+
+def differentiation_depth() -> int:
+    """For an equation-rewriting rule: how many differentiations enclose the equation it rewrites.
+
+    The largest `_compat.differentiation_depth` of its operands and of the
+    operands of the calls around it (`AmpContext.differentiated`): 1 under
+    `jax.grad` or `jax.jvp`, 2 under a Hessian. A derivative taken of a
+    `jax.jit`'d function after tracing it (`jax.jvp(jax.jit(jax.grad(f)))`)
+    is not seen: it differentiates the traced program.
+    """
+    return _DIFFERENTIATED.get()
+
+
 _warned: set[tuple[str, str]] = set()
 
 
@@ -537,7 +562,12 @@ def _apply_rule(
             site_state = _site_state.active()
             if site_state is not None:  # names the equation's site, should the rule take one
                 site_state.scopes = scopes
-            rewrite = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *operands, **params)
+            depth = max(ctx.differentiated, *map(_compat.differentiation_depth, operands), 0)
+            token = _DIFFERENTIATED.set(depth)
+            try:
+                rewrite = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *operands, **params)
+            finally:
+                _DIFFERENTIATED.reset(token)
         if rewrite is not None and rewrite.fn is not None:
             return rewrite.fn(*operands), operands, tuple(rewrite.operand_dtypes), rewrite
         with shared_casts(casts):
