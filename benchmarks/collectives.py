@@ -41,11 +41,21 @@ D, H, OUT, BATCH, DEVICES = 256, 1024, 256, 64, 4
 _BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 
 
-def all_reduces(hlo: str) -> list[tuple[str, int]]:
-    """``(operand types, bytes)`` of every all-reduce in a compiled HLO text."""
-    found = []
+def all_reduces(hlo: str, in_branches: bool = False) -> list[tuple[str, int]]:
+    """``(operand types, bytes)`` of every all-reduce in a compiled HLO text.
+
+    With `in_branches` False (the default), those inside a conditional's
+    branches are left out: they run only when their branch is taken (fp8's
+    delayed recipe takes a live amax only while a history is empty); True
+    lists only those.
+    """
+    branches = {name for group in re.findall(r"branch_computations=\{([^}]*)\}", hlo)
+                for name in re.findall(r"%([\w.\-]+)", group)}  # fmt: skip
+    found, computation = [], None
     for line in hlo.splitlines():
-        if not re.search(r"\ball-reduce(-start)?\(", line):
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+        if not re.search(r"\ball-reduce(-start)?\(", line) or (computation in branches) != in_branches:
             continue
         result = line.split("=", 1)[1].split("all-reduce", 1)[0]
         shapes = re.findall(r"(\w+)\[([\d,]*)\]", result)

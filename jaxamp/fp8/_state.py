@@ -158,7 +158,9 @@ def history_scale(history_row: Any, x32: Any, fmt: Any, algorithm: str, margin: 
     newest entry (``"most_recent"``), as Transformer Engine's ``DelayedScaling``.
     """
     past = lax.reduce_max(history_row, (0,)) if algorithm == "max" else history_row[0]
-    amax = lax.select(past > 0, past, finite_amax(x32))
+    # A branch, not a select: once the history holds an amax, the live one is
+    # not computed in front of the matmul (nor, on a mesh, all-reduced there).
+    amax = lax.cond(past > 0, lambda: past, lambda: finite_amax(x32))
     return scale_for_amax(amax * np.float32(2.0**margin), fmt, power_of_two)
 
 
