@@ -288,9 +288,8 @@ def test_fp8_recipes_all_reduces_on_an_explicit_data_parallel_step():
 
     from benchmarks.collectives import _compiled_all_reduces, _delayed_step
 
-    auto = _compiled_all_reduces(
-        AxisType.Auto, {"delayed": lambda mesh: _delayed_step("jit", False, False, mesh, fp8_recipes.RECIPES["delayed"])}
-    )
+    delayed = fp8_recipes.RECIPES["delayed"]
+    auto = _compiled_all_reduces(AxisType.Auto, {"delayed": lambda mesh: _delayed_step("jit", False, False, mesh, delayed)})
     assert auto["delayed"]["all-reduces"] == counts["bf16"] + 1, auto
 
 
