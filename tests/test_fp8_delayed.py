@@ -408,3 +408,23 @@ def test_a_convolution_takes_its_history_without_a_warning():
     grad = jax.grad(lambda w, s: loss(w, x, fp8_state=s), argnums=(0, 1))
     matmuls = matmul_operand_dtypes(jax.make_jaxpr(grad)(w, state))
     assert all(dtypes == (E4M3, E4M3) for _, dtypes in matmuls), matmuls
+
+
+def test_an_equinox_model_differentiated_with_its_state(fresh_warnings):
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(64, 32, 128, 1, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+
+    def loss_fn(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    loss = jaxamp.amp(loss_fn, compute_dtype=_recipe())
+    state = jaxamp.init_fp8_state(loss, model, x)
+    assert list(state.histories) == ["eqx.nn.MLP/eqx.nn.Linear/dot_general", "eqx.nn.MLP/eqx.nn.Linear/dot_general#2"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the state is differentiated: no warning
+        _, (grads, observed) = eqx.filter_jit(eqx.filter_value_and_grad(lambda ms: loss(ms[0], x, fp8_state=ms[1])))(
+            (model, state)
+        )
+    assert all((np.asarray(h)[:, 0] > 0).all() for h in observed.histories.values())
+    assert grads.layers[0].weight.dtype == jnp.float32
