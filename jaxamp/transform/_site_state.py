@@ -48,7 +48,8 @@ class SiteState:
     Attributes:
         values: the values given for this call, in site order, or None to
             discover the sites (each `take` then returns zeros: what a state
-            made by ``init`` holds).
+            made by `jaxamp.init_fp8_state` holds; fp8's delayed recipe is
+            the one user, whom `take`'s errors name).
         sites: ``(name, shape)`` of each site found so far, in order; `shape`
             includes the enclosing scans' lengths, outermost first. With
             `values` given, the sites the state was made for.
