@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -101,6 +102,12 @@ def amp(
             state = _delayed_state(kwargs.pop("fp8_state", None))
             # Not cached eagerly: the histories are inputs of this call only.
             return options.run(fn, args, kwargs, site_state=state.site_state())
+        if "fp8_state" in kwargs and not _takes_keyword(fn, "fp8_state"):
+            raise TypeError(
+                "fp8_state= is the amax histories of Fp8Recipe(scaling='delayed'); this function was made by "
+                f"jaxamp.amp with {options.fp8 or options.compute_dtype.name!r}, which keeps no state. Pass "
+                "compute_dtype=jaxamp.Fp8Recipe(scaling='delayed') to amp, or drop fp8_state."
+            )
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]
@@ -154,6 +161,14 @@ def init_fp8_state(amp_fn: Callable, *args: Any, **kwargs: Any) -> Fp8State:
     # Traced abstractly, so `jax.ShapeDtypeStruct` leaves stand for arrays.
     eqx.filter_eval_shape(lambda a, k: discovered.append(options.discover_sites(fn, a, k)), args, kwargs)
     return Fp8State.from_sites(discovered[0])
+
+
+def _takes_keyword(fn: Callable, name: str) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _delayed_state(state: Any) -> Fp8State:

@@ -318,6 +318,8 @@ def test_errors_name_the_fix():
         loss(params, x, c)
     with pytest.raises(TypeError, match="fp8_state must be a jaxamp.Fp8State"):
         loss(params, x, c, fp8_state={"dot_general": jnp.zeros((3, LENGTH))})
+    with pytest.raises(TypeError, match=r"fp8_state= is the amax histories .* which keeps no state"):
+        jaxamp.amp(_mlp, compute_dtype="fp8")(params, x, c, fp8_state=jaxamp.init_fp8_state(loss, params, x, c))
     with pytest.raises(TypeError, match="init_fp8_state takes a function made by jaxamp.amp"):
         jaxamp.init_fp8_state(_mlp, params, x, c)
     with pytest.raises(TypeError, match="whose fp8 recipe is"):
