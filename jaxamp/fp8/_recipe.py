@@ -21,6 +21,7 @@ Transformer Engine's delayed scaling)."""
 BLOCK_SCALINGS = ("mxfp8", "blockwise")
 """The scalings with a scale per block of each product's contraction (power-of-two scales)."""
 FAST_ACCUMULATION = ("forward", "all", "none")
+"""`Fp8Recipe.fast_accumulation` values: which float8 GEMMs may accumulate fast."""
 AMAX_ALGORITHMS = ("max", "most_recent")
 """`Fp8Recipe.amax_compute_algo` values (Transformer Engine's names)."""
 
