@@ -402,9 +402,12 @@ def trace_to_jaxpr_with_consts_as_inputs(
     Loop primitives take their constants as operands (``num_consts``), not
     closed over.
     """
-    closed = trace_to_closed_jaxpr(fn, in_avals)
-    jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)
-    return ClosedJaxpr(jaxpr, ()), list(closed.consts)
+    return consts_as_inputs(trace_to_closed_jaxpr(fn, in_avals))
+
+
+def consts_as_inputs(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
+    """`closed` taking its constants as leading inputs, and those constants."""
+    return ClosedJaxpr(_pe.convert_constvars_jaxpr(closed.jaxpr), ()), list(closed.consts)
 
 
 def bind_remat(program: ClosedJaxpr, consts: Sequence[Any], args: Sequence[Any], policy: Callable) -> list:

@@ -78,9 +78,12 @@ _AMP_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
-    """`closed` re-traced under amp for operands as amp holds them."""
-    # A body whose sites take a call's state (`_site_state`) is never shared.
-    cacheable = ctx.observer is None and not ctx.inline and _site_state.active() is None
+    """`closed` re-traced under amp for operands as amp holds them.
+
+    A body whose sites take values of a call's state (`_site_state`) closes
+    over them: it is never shared, and its constants hold them (see `_call_handler`).
+    """
+    cacheable = ctx.observer is None and not ctx.inline
     # The policy is a `PolicyTable` snapshot, hashed by its contents, so a
     # table edited between calls never serves a body rewritten under the old one.
     # The body's statistics plan depends on its operands' classes at this call.
@@ -90,15 +93,19 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     dtypes = tuple([dtype_of(v) for v in invals])
     # Rules tell first derivatives from higher ones only (`differentiation_depth`).
     higher_order = ctx.differentiated >= 2
-    key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics, ctx.recompute, higher_order)
+    # Where sites take no values (`_site_state.paused`), rules rewrite them otherwise.
+    paused = bool(_site_state.pause_reason())
+    key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics, ctx.recompute, higher_order, paused)
     if cacheable:
         try:
             return _AMP_BODIES[closed][key]
         except (KeyError, TypeError):
             pass
+    state = _site_state.active()
+    start = state.position if state is not None else 0
     body = _amp_body(closed.jaxpr, closed.consts, ctx)
     new = _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
-    if cacheable:
+    if cacheable and (state is None or state.position == start):
         try:
             _AMP_BODIES.setdefault(closed, {})[key] = new
         except TypeError:  # an unhashable or non-weakrefable jaxpr: no caching
@@ -113,15 +120,15 @@ def _call_handler(primitive: Any, jaxpr_param: str) -> Handler:
         closed = eqn.params[jaxpr_param]
         if ctx.inline:
             return interpret(closed.jaxpr, closed.consts, invals, ctx)
-        if _threads_site_state():
-            # The body's sites read the caller's state: pass it in as inputs
-            # (a closed jaxpr's constants are not differentiated, so its
-            # gradient, the state's update, would be lost).
-            body = _amp_body(closed.jaxpr, closed.consts, ctx)
-            new, hoisted = _compat.trace_to_jaxpr_with_consts_as_inputs(body, _avals_like(closed.in_avals, invals))
+        new = _amp_closed_jaxpr(ctx, closed, invals)
+        if any(isinstance(c, jax.core.Tracer) for c in new.consts):
+            # Values of the caller's trace (a site state's): passed in as
+            # inputs, since a closed jaxpr's constants are not differentiated
+            # (the state's gradient, its update, would be lost).
+            new, hoisted = _compat.consts_as_inputs(new)
             params = _compat.call_params_with_extra_inputs(primitive, eqn.params, new, len(hoisted))
             return primitive.bind(*hoisted, *invals, **primitive.get_bind_params(params))
-        params = dict(eqn.params, **{jaxpr_param: _amp_closed_jaxpr(ctx, closed, invals)})
+        params = dict(eqn.params, **{jaxpr_param: new})
         return primitive.bind(*invals, **primitive.get_bind_params(params))
 
     return handler
