@@ -239,9 +239,9 @@ class Fp8MatmulRule:
             scheme = Rowwise(bind_params, compute_dtype, power_of_two, weight_gradient_hp, gradient, precisions)
         elif recipe.scaling == "delayed":
             history, fallback = _delayed_history(name, recipe.amax_history_length)
-            tensorwise = (eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
-            delayed = (recipe.amax_compute_algo, recipe.margin)
-            scheme = Tensorwise(*tensorwise) if history is None else Delayed(*tensorwise, *delayed)
+            per_tensor = (eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
+            from_history = (recipe.amax_compute_algo, recipe.margin)
+            scheme = Tensorwise(*per_tensor) if history is None else Delayed(*per_tensor, *from_history)
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))
             scheme = PerShard(bind_params, *avals, *shards, compute_dtype, power_of_two, gradient, precisions)
@@ -356,9 +356,10 @@ def _with_history(matmul: Any, history: Any, lhs: Any, rhs: Any) -> Any:
 
 def _warn_fallback(scaling: str, name: str, reason: str) -> None:
     """Say once per recipe and kind of reason that a matmul runs per-tensor instead."""
-    kind = "explicit" if "Explicit" in reason else "block size" if "block size" in reason else name
     if scaling == "delayed":  # each of its reasons is a fixed sentence
         kind = reason
+    else:
+        kind = "explicit" if "Explicit" in reason else "block size" if "block size" in reason else name
     warn_once(
         ("fp8_fallback", f"{scaling}:{kind}"),
         f"jaxamp fp8 mode: Fp8Recipe(scaling={scaling!r}) runs a {name} with per-tensor scales instead: "

@@ -157,7 +157,8 @@ class Delayed(Tensorwise):
 
     def observe(self, lhs, rhs):
         """What `observed` needs from the forward pass: the operands' amaxes, float32 ``[2]``."""
-        return jnp.stack([finite_amax(lhs), finite_amax(rhs)])
+        # lax, not jnp.stack: a jnp helper adds a nested jit to every matmul.
+        return lax.concatenate([lax.expand_dims(finite_amax(x), (0,)) for x in (lhs, rhs)], 0)
 
     def observed(self, forward, g, history_aval):
         """The history's cotangent: this step's amaxes (`forward`'s and the cotangent `g`'s) in its newest column."""
