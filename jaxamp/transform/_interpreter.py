@@ -387,17 +387,20 @@ def _evaluate_recomputed(
 
     values = [env[v] for v in inputs]
     avals = [_compat.abstract_value(x) for x in values]
-    key: Any = (_structure(eqns, inputs, outputs), context, tuple(avals))
+    # Where sites take no values (`_site_state.paused`), rules rewrite them otherwise.
+    paused = bool(_site_state.pause_reason())
+    key: Any = (_structure(eqns, inputs, outputs), context, tuple(avals), paused)
     try:
         program = _RECOMPUTED.get(key)
     except TypeError:  # an unhashable parameter, literal or context: traced afresh
         key, program = None, None
-    if _site_state.active() is not None:
-        # Its sites take this call's state (`_site_state`): never shared.
-        key, program = None, None
     if program is None:
+        state = _site_state.active()
+        start = state.position if state is not None else 0
         program = _compat.trace_to_jaxpr_with_consts_as_inputs(recompute, avals)
-        if key is not None and not any(isinstance(c, jax.core.Tracer) for c in program[1]):
+        # A run whose sites took values of this call's state is never shared.
+        took_sites = state is not None and state.position != start
+        if key is not None and not took_sites and not any(isinstance(c, jax.core.Tracer) for c in program[1]):
             _RECOMPUTED[key] = program
             if len(_RECOMPUTED) > _RECOMPUTED_MAXSIZE:
                 del _RECOMPUTED[next(iter(_RECOMPUTED))]
