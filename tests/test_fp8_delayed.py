@@ -430,3 +430,21 @@ def test_an_equinox_model_differentiated_with_its_state(fresh_warnings):
         )
     assert all((np.asarray(h)[:, 0] > 0).all() for h in observed.histories.values())
     assert grads.layers[0].weight.dtype == jnp.float32
+
+
+def test_an_eager_call_runs_the_delayed_recipe():
+    params, x, c = _problem()
+    loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
+    state = jaxamp.init_fp8_state(loss, params, x, c)
+    # The first step, eagerly: tensorwise's eager result, bit for bit.
+    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.Fp8Recipe(keep_last_matmul_bf16=False))
+    assert loss(params, x, c, fp8_state=state) == current(params, x, c)
+    state = state.update(_step(loss)(params, state, x, c)[1][1])
+    # Eager calls are not cached (the histories are this call's inputs): both run.
+    eager = [loss(params, x, c, fp8_state=state) for _ in range(2)]
+    assert loss.eager_cache.hits == 0 and eager[0] == eager[1]
+    # Against jit: XLA keeps some bf16 values unrounded in a fused program and
+    # moves float8 roundings (tensorwise's eager and jitted losses differ by
+    # 0.6% here, measured); delayed's by 1.2%.
+    jitted = jax.jit(lambda p, s: loss(p, x, c, fp8_state=s))(params, state)
+    np.testing.assert_allclose(eager[0], jitted, rtol=2e-2)
