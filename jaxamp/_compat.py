@@ -928,7 +928,13 @@ def tracks_varying_axes() -> bool:
 @_internal
 def varying_axes(x: Any) -> frozenset:
     """The manual mesh axes over which `x` may differ between devices (its vma)."""
-    mat = getattr(jax.typeof(x), "mat", None)
+    return varying_axes_of_type(jax.typeof(x))
+
+
+@_internal
+def varying_axes_of_type(aval: Any) -> frozenset:
+    """`varying_axes` of a value of type `aval`."""
+    mat = getattr(aval, "mat", None)
     return frozenset(getattr(mat, "varying", ())) if mat is not None else frozenset()
 
 

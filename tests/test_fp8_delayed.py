@@ -272,6 +272,49 @@ def test_data_parallel_mesh_matches_one_device(kind):
     assert all(d in (E4M3, E5M2) for _, dtypes in matmuls for d in dtypes), matmuls
 
 
+def _per_device_observations(how, loss, params, state, x, c, mesh):
+    """The observed amaxes each of 4 devices returns, amp'd `loss` differentiated inside the body."""
+
+    def observe(p, s, x, c):
+        observed = jax.grad(lambda p, s: loss(p, x, c, fp8_state=s), argnums=(0, 1))(p, s)[1]
+        return jax.tree.map(lambda o: o[None], observed)
+
+    if how == "pmap":
+        split = [a.reshape(4, -1, *a.shape[1:]) for a in (x, c)]
+        def one_device(p, s, x, c):
+            return jax.tree.map(lambda o: o[0], observe(p, s, x, c))
+
+        return jax.pmap(one_device, "data", in_axes=(None, None, 0, 0))(params, state, *split)
+    run = jax.shard_map(
+        observe, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=P("data"), check_vma=how == "check_vma"
+    )
+    with jax.set_mesh(mesh):
+        xs, cs = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, c))
+        return jax.jit(run)(params, state, xs, cs)
+
+
+@pytest.mark.parametrize("how", ["check_vma", "no check_vma", "pmap"])
+def test_inside_shard_map_or_pmap_every_device_observes_the_global_amaxes(how):
+    """amp'd inside a per-device body: each device's observation is the maximum over all of them, so the
+    replicated state stays one state (and the first step, from live amaxes, traces under check_vma)."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    params, x, c = _problem()
+    x = x * jnp.arange(1, 17, dtype=jnp.float32)[:, None]  # a different amax on each device
+    c = c * jnp.arange(1, 17, dtype=jnp.float32)[:, None]
+    loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
+    state = jaxamp.init_fp8_state(loss, params, x, c)
+    want = jax.jit(jax.grad(lambda p, s: loss(p, x, c, fp8_state=s), argnums=(0, 1)))(params, state)[1]
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+    later = state.update(want)  # the second step scales from the history, not live amaxes
+    for s in (state, later):
+        observed = _per_device_observations(how, loss, params, s, x, c, mesh)
+        for name, history in observed.histories.items():
+            for device in range(4):
+                # Each device's cotangent is its rows of the whole batch's: the same maxima, exactly.
+                np.testing.assert_array_equal(np.asarray(history)[device], want.histories[name], err_msg=name)
+
+
 def test_every_matmul_runs_in_float8_forward_and_backward():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())

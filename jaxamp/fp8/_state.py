@@ -16,9 +16,11 @@ as flax's fp8 ops return theirs:
   not by summing them as gradients are.
 * A matmul inside a scan over layers has one history per layer (the state
   holds it stacked along the scan's length).
-* Every value is a global reduction under `jit` on a mesh, so every device
-  and process holds the same state and takes the same scales; the same
-  scales serve a `jax.checkpoint` recompute, since they come from the state.
+* Every value is a global reduction under `jit` on a mesh, and a maximum
+  over the devices (``pmax``) where amp runs inside `shard_map` or
+  `jax.pmap`, so every device and process holds the same state and takes
+  the same scales; the same scales serve a `jax.checkpoint` recompute, since
+  they come from the state.
 
 A history that holds no amax yet (the first step, or a matmul the loss does
 not reach) takes the live amax instead, as current scaling does, so the first
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .. import _compat
 from ..transform._site_state import SiteState
 from ._quantize import finite_amax, scale_for_amax
 
@@ -160,7 +163,13 @@ def history_scale(history_row: Any, x32: Any, fmt: Any, algorithm: str, margin: 
     past = lax.reduce_max(history_row, (0,)) if algorithm == "max" else history_row[0]
     # A branch, not a select: once the history holds an amax, the live one is
     # not computed in front of the matmul (nor, on a mesh, all-reduced there).
-    amax = lax.cond(past > 0, lambda: past, lambda: finite_amax(x32))
+    # Inside shard_map both branches take the devices the live amax varies over.
+    varying = tuple(_compat.varying_axes(past) | _compat.varying_axes(x32))
+    amax = lax.cond(
+        past > 0,
+        lambda: _compat.mark_varying(past, varying),
+        lambda: _compat.mark_varying(finite_amax(x32), varying),
+    )
     return scale_for_amax(amax * np.float32(2.0**margin), fmt, power_of_two)
 
 
@@ -172,6 +181,20 @@ def observation(forward: Any, g: Any, history_aval: Any) -> Any:
         g: the cotangent of the matmul's result.
         history_aval: the type of the site's history (``[3, length]``).
     """
-    column = lax.concatenate([forward, lax.expand_dims(finite_amax(g), (0,))], 0)
+    column = _largest_on_every_device(lax.concatenate([forward, lax.expand_dims(finite_amax(g), (0,))], 0))
     length = history_aval.shape[-1]
-    return lax.pad(lax.expand_dims(column, (1,)), np.float32(0), ((0, 0, 0), (0, length - 1, 0)))
+    observed = lax.pad(lax.expand_dims(column, (1,)), np.float32(0), ((0, 0, 0), (0, length - 1, 0)))
+    return _compat.mark_varying(observed, tuple(_compat.varying_axes_of_type(history_aval)))
+
+
+def _largest_on_every_device(x: Any) -> Any:
+    """`x`'s maximum over the devices that run it apart (inside `shard_map` or `pmap`), so they hold one history.
+
+    Over the manual axes `x` varies along where types record them
+    (``check_vma``), otherwise over every manual axis (a maximum over copies
+    of one value is that value).
+    """
+    manual = _compat.manual_axes()
+    if _compat.tracks_varying_axes():
+        manual = tuple(a for a in manual if a in _compat.varying_axes(x))
+    return lax.pmax(x, manual) if manual else x
