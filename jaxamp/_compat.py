@@ -451,16 +451,26 @@ def scan_params_with_extra_consts(params: dict, jaxpr: ClosedJaxpr, num_extra: i
 
 
 @_internal
-def shard_map_body(eqn_params: dict, body: Callable, extra_out_specs: Callable[[], Sequence[Any]] = tuple) -> dict:
+def shard_map_body(
+    eqn_params: dict,
+    body: Callable,
+    extra_out_specs: Callable[[], Sequence[Any]] = tuple,
+    extra_in_specs: Sequence[Any] = (),
+) -> dict:
     """Bind parameters for `shard_map_p` whose body runs ``body(*args) -> outs``.
 
     `shard_map_p.get_bind_params` turns the stored jaxpr into a sub-function
     returning a `FlatTree` tagged with the output specs; we swap in our own body
     with the same return convention (`body` is only called later, by JAX).
     `extra_out_specs()`, asked after `body` has run, gives the specs of the
-    outputs `body` returns after the equation's own.
+    outputs `body` returns after the equation's own; `extra_in_specs` those of
+    the inputs it takes before the equation's own.
     """
     params = shard_map_p.get_bind_params(eqn_params)
+    if extra_in_specs:
+        params["in_specs"] = (*extra_in_specs, *params["in_specs"])
+        if params.get("debug_info") is not None:  # its argument names no longer line up
+            params["debug_info"] = params["debug_info"].with_unknown_names()
 
     def run(*args):
         outs = list(body(*args))

@@ -315,6 +315,96 @@ def test_inside_shard_map_or_pmap_every_device_observes_the_global_amaxes(how):
                 np.testing.assert_array_equal(np.asarray(history)[device], want.histories[name], err_msg=name)
 
 
+def _data_parallel_step(loss, params, state, x, c, mesh):
+    """``step(params, state)``'s value and gradients, `x` and `c` split over `mesh`'s "data" axis."""
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: every matmul takes its history
+        xs, cs = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, c))
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        step = jax.jit(jax.value_and_grad(lambda p, s: loss(p, xs, cs, fp8_state=s), argnums=(0, 1)))
+        return step(params, state), jax.make_jaxpr(step)(params, state)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_a_shard_map_body_takes_its_histories_as_one_device_does(kind, check_vma):
+    """amp around a shard_map: the body takes the histories as replicated inputs; each device's observation
+    is the maximum over all of them, counted once although every device holds the state (with check_vma off,
+    JAX's transpose sums a replicated input's cotangent over the devices)."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(kind,))
+
+    def per_device(params, x, c):
+        body = jax.shard_map(
+            lambda p, x, c: jax.lax.psum(_mlp(p, x, c), "data"),
+            mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=check_vma,
+        )  # fmt: skip
+        return body(params, x, c)
+
+    params, x, c = _problem()
+    x = x * jnp.arange(1, 17, dtype=jnp.float32)[:, None]  # a different amax on each device
+    one_device, sharded = (jaxamp.amp(f, compute_dtype=_recipe()) for f in (_mlp, per_device))
+    step = _step(one_device)
+    state = jaxamp.init_fp8_state(one_device, params, x, c)
+    with jax.set_mesh(mesh):
+        xs, cs = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, c))
+        assert jaxamp.init_fp8_state(sharded, params, xs, cs).histories.keys() == state.histories.keys()
+    ones, shardeds = [state], [state]
+    for _ in range(3):
+        ones.append(ones[-1].update(step(params, ones[-1], x, c)[1][1]))
+        (_, (_, observed)), _ = _data_parallel_step(sharded, params, shardeds[-1], x, c, mesh)
+        shardeds.append(shardeds[-1].update(observed))
+    for name in state.histories:
+        got, want = np.asarray(shardeds[-1].histories[name]), np.asarray(ones[-1].histories[name])
+        # The first step's live scales are each device's own: amaxes after it within bf16's rounding.
+        np.testing.assert_allclose(got, want, rtol=1e-2, err_msg=name)
+        if name == "dot_general":
+            np.testing.assert_array_equal(got[0], want[0])  # the input's amaxes, exactly
+        assert got[2, 0] > 0, name  # the cotangent was observed
+    # From one state, the same scales: the same gradients and observations.
+    _, (want, want_observed) = step(params, ones[-1], x, c)
+    (_, (grads, observed)), jaxpr = _data_parallel_step(sharded, params, ones[-1], x, c, mesh)
+    for a, b in zip(jax.tree.leaves(observed), jax.tree.leaves(want_observed)):
+        np.testing.assert_allclose(a, b, rtol=1e-2)
+    for name in params:
+        np.testing.assert_allclose(grads[name], want[name], rtol=0.05, atol=0.05 * float(np.abs(want[name]).max()))
+    matmuls = matmul_operand_dtypes(jaxpr)
+    assert len(matmuls) == 5 and all(d in (E4M3, E5M2) for _, dtypes in matmuls for d in dtypes), matmuls
+
+
+def test_a_shard_map_inside_a_scan_keeps_a_history_per_iteration():
+    """The scan's iteration index enters the shard_map body with the histories, so each layer keeps its own."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+
+    def layers(ws, x, c, sharded):
+        def layer(h, w):
+            return h + jnp.tanh(h @ w), None
+
+        if sharded:
+            layer = jax.shard_map(layer, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P()))
+        h, _ = jax.lax.scan(layer, x, ws)
+        return jnp.sum(h.astype(jnp.float32) * c)
+
+    ws = jax.random.normal(jax.random.key(1), (2, 64, 64)) * jnp.array([0.05, 0.5])[:, None, None]
+    x = jax.random.normal(jax.random.key(2), (16, 64))
+    c = jnp.full((16, 64), 2.0**-4)
+    one = jaxamp.amp(lambda w, x, c: layers(w, x, c, False), compute_dtype=_recipe())
+    sharded = jaxamp.amp(lambda w, x, c: layers(w, x, c, True), compute_dtype=_recipe())
+    state = jaxamp.init_fp8_state(one, ws, x, c)
+    assert [np.shape(h) for h in state.histories.values()] == [(2, 3, LENGTH)]
+    grad = jax.jit(jax.grad(lambda w, s: one(w, x, c, fp8_state=s), argnums=(0, 1)))
+    state = state.update(grad(ws, state)[1])  # past the first step's live (per-device) amaxes
+    want = grad(ws, state)[1]
+    (_, (_, observed)), _ = _data_parallel_step(sharded, ws, state, x, c, mesh)
+    got, want = np.asarray(observed.histories["dot_general"]), np.asarray(want.histories["dot_general"])
+    np.testing.assert_array_equal(got[:, 1], want[:, 1])  # each layer's own weight amax
+    assert got[0, 1, 0] < got[1, 1, 0]
+    np.testing.assert_allclose(got, want, rtol=1e-2)
+
+
 def test_every_matmul_runs_in_float8_forward_and_backward():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())

@@ -241,6 +241,8 @@ class Fp8MatmulRule:
             history, fallback = _delayed_history(name, recipe.amax_history_length)
             per_tensor = (eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
             from_history = (recipe.amax_compute_algo, recipe.margin)
+            if history is not None:
+                from_history += (_site_state.active().cotangents_summed_over,)
             scheme = Tensorwise(*per_tensor) if history is None else Delayed(*per_tensor, *from_history)
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))

@@ -71,10 +71,10 @@ class Fp8Recipe:
             (``fn(*args, fp8_state=state)``, made by `jaxamp.init_fp8_state`)
             and updates from its gradient (`Fp8State.update`); README
             "## float8" shows the step. A matmul whose state cannot be
-            threaded to it (inside a custom derivative rule or a
-            ``shard_map`` body) and a grouped matmul run with current
-            scaling, said once. On a mesh the scales need no collective (the
-            amaxes for the next step are reduced off the critical path).
+            threaded to it (inside a custom derivative rule) and a grouped
+            matmul run with current scaling, said once. On a mesh the scales
+            need no collective (the amaxes for the next step are reduced off
+            the critical path; inside ``shard_map`` and ``pmap``, by a ``pmax``).
         power_of_two_scales: round each scale up to a power of two, so that
             scaling changes no mantissa bit. None (the default) means True
             for the rowwise recipes and False for tensorwise and delayed, as

@@ -139,6 +139,7 @@ class Delayed(Tensorwise):
 
     algorithm: str = "max"
     margin: int = 0
+    observed_on_one_device_of: tuple = ()  # `SiteState.cotangents_summed_over`
 
     def _quantize_by_history(self, role: str, x: Any, history: Any, fmt: Any) -> tuple[Any, Any]:
         x32 = lax.convert_element_type(x, _F32)
@@ -162,7 +163,7 @@ class Delayed(Tensorwise):
 
     def observed(self, forward, g, history_aval):
         """The history's cotangent: this step's amaxes (`forward`'s and the cotangent `g`'s) in its newest column."""
-        return observation(forward, g, history_aval)
+        return observation(forward, g, history_aval, self.observed_on_one_device_of)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -29,7 +29,8 @@ step does not run with scale 1.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -173,15 +174,21 @@ def history_scale(history_row: Any, x32: Any, fmt: Any, algorithm: str, margin: 
     return scale_for_amax(amax * np.float32(2.0**margin), fmt, power_of_two)
 
 
-def observation(forward: Any, g: Any, history_aval: Any) -> Any:
+def observation(forward: Any, g: Any, history_aval: Any, on_one_device_of: Sequence[Any] = ()) -> Any:
     """A history-shaped cotangent holding the step's amaxes in column 0, zeros elsewhere.
 
     Args:
         forward: float32 ``[2]``: the left and right operands' amaxes.
         g: the cotangent of the matmul's result.
         history_aval: the type of the site's history (``[3, length]``).
+        on_one_device_of: manual mesh axes over which JAX will sum the
+            cotangent (`SiteState.cotangents_summed_over`): the amaxes are
+            given on their first device, zeros on the others.
     """
     column = _largest_on_every_device(lax.concatenate([forward, lax.expand_dims(finite_amax(g), (0,))], 0))
+    if on_one_device_of:
+        first = functools.reduce(lax.bitwise_and, [lax.axis_index(a) == 0 for a in on_one_device_of])
+        column = lax.select(lax.broadcast(first, column.shape), column, lax.full_like(column, 0))
     length = history_aval.shape[-1]
     observed = lax.pad(lax.expand_dims(column, (1,)), np.float32(0), ((0, 0, 0), (0, length - 1, 0)))
     return _compat.mark_varying(observed, tuple(_compat.varying_axes_of_type(history_aval)))

@@ -508,8 +508,25 @@ def _amp_bwd_call(ctx: AmpContext, bwd: Any, args: tuple) -> tuple[list, Any]:
 
 @register(_compat.shard_map_p)
 def _shard_map(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
-    jaxpr = eqn.params["jaxpr"]
-    # JAX traces the body during the bind, within this pause.
-    with _site_state.paused("inside a shard_map body, whose devices would each see their own amax"):
-        params = _compat.shard_map_body(eqn.params, _amp_body(jaxpr, (), ctx))
+    body = _amp_body(eqn.params["jaxpr"], (), ctx)
+    if not _threads_site_state():
+        params = _compat.shard_map_body(eqn.params, body)
         return list(_compat.shard_map_p.bind(*invals, **params))
+    # The body takes the site state's values as replicated inputs (see
+    # `_site_state`); JAX traces it during the bind, maybe more than once.
+    state = _site_state.active()
+    passed = state.passed()
+    start = state.position
+    summed = () if eqn.params["check_vma"] else tuple(name for name, _ in _compat.shard_map_mesh_axes(eqn.params))
+
+    def with_state(*args: Any) -> Sequence[Any]:
+        state.rewind(start)
+        inner = state.entering(args[: len(passed)], summed)
+        with _site_state.threading(inner):
+            outs = body(*args[len(passed) :])
+        state.rewind(inner.position)
+        return outs
+
+    replicated = (jax.sharding.PartitionSpec(),) * len(passed)
+    params = _compat.shard_map_body(eqn.params, with_state, extra_in_specs=replicated)
+    return list(_compat.shard_map_p.bind(*passed, *invals, **params))

@@ -14,10 +14,14 @@ numbered in program order, as amp interprets the program:
   is not known when tracing);
 * a cond's branches each have their own sites, in branch order (`lax.cond`'s
   false branch first);
+* a ``shard_map`` body cannot close over the caller's values (JAX refuses
+  one sharded on an Explicit mesh): it takes them, replicated, as inputs
+  (`passed`, `entering`), and a rule whose value comes back through its
+  cotangent counts it once although every device holds the input
+  (`cotangents_summed_over`);
 * inside a body amp cannot thread a value into (a custom derivative rule,
-  which JAX traces apart from the program, or a ``shard_map`` body, where a
-  per-device value would need a cross-device agreement), `take` returns None
-  and the rule says why (`paused`).
+  which JAX traces apart from the program), `take` returns None and the rule
+  says why (`paused`).
 
 The handlers of `_higher_order` re-trace some bodies more than once (a loop
 whose carry types settle, `_settle_carry`): they `rewind` to where the body
@@ -56,6 +60,11 @@ class SiteState:
         position: how many sites the interpretation has passed.
         loops: ``(iteration index, length)`` of each enclosing scan, outermost first.
         scopes: the named scopes of the equation being rewritten (its site's name).
+        cotangents_summed_over: manual mesh axes over which JAX sums the
+            cotangents of the values this body takes: a ``shard_map`` with
+            ``check_vma=False`` sums a replicated input's cotangent over its
+            devices, so a rule returning a value through its cotangent (fp8's
+            observed amaxes) gives it on one device of them and zeros on the others.
     """
 
     values: Sequence[Any] | None = None
@@ -63,6 +72,7 @@ class SiteState:
     position: int = 0
     loops: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
     scopes: tuple[str, ...] = ()
+    cotangents_summed_over: tuple[Any, ...] = ()
 
     @property
     def paused(self) -> str:
@@ -111,6 +121,33 @@ class SiteState:
         for index, _ in self.loops:
             value = lax.dynamic_index_in_dim(value, index, keepdims=False)
         return value
+
+    def passed(self) -> list:
+        """What a body that cannot close over the caller's values takes as inputs (see `entering`).
+
+        The enclosing scans' iteration indices, then the values of the sites
+        from `position` on (which of them the body reaches is known only once
+        it is traced); none while discovering sites.
+        """
+        values = [] if self.values is None else list(self.values[self.position :])
+        return [index for index, _ in self.loops] + values
+
+    def entering(self, passed: Sequence[Any], cotangents_summed_over: Sequence[Any] = ()) -> SiteState:
+        """This state as a body sees it that took `passed` (the body's tracers of `passed()`) as inputs.
+
+        The new state numbers its sites on from this one's `position` and adds
+        the sites it discovers to the same list: set this one's `position` to
+        the new one's once the body is traced.
+        """
+        indices, values = passed[: len(self.loops)], passed[len(self.loops) :]
+        return SiteState(
+            values=None if self.values is None else [None] * self.position + list(values),
+            sites=self.sites,
+            position=self.position,
+            loops=[(index, length) for index, (_, length) in zip(indices, self.loops)],
+            scopes=self.scopes,
+            cotangents_summed_over=(*self.cotangents_summed_over, *cotangents_summed_over),
+        )
 
     def rewind(self, position: int) -> None:
         """Go back to site `position` (a body about to be traced again)."""
