@@ -872,6 +872,23 @@ def explicit_shards(x: Any) -> dict[int, tuple[int, Any]]:
     return found
 
 
+def on_auto_mesh(*xs: Any) -> bool:
+    """Whether `xs` run on a mesh of several devices whose axes are all Auto (XLA splits them after tracing).
+
+    The mesh is the operands' (``jax.jit`` of arrays placed with a
+    `NamedSharding`) or the context's (``jax.set_mesh``); never inside
+    `shard_map`, whose body sees one device's shard.
+    """
+    if manual_axes():
+        return False
+    meshes = [getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) for x in xs]
+    for mesh in (*meshes, jax.sharding.get_abstract_mesh()):
+        names = getattr(mesh, "axis_names", ())
+        if names and math.prod(mesh.axis_sizes) > 1:
+            return all(kind == jax.sharding.AxisType.Auto for kind in mesh.axis_types)
+    return False
+
+
 # --- linear_call under vmap (jaxamp/fp8/_differentiable.py) ---
 # `jax.custom_derivatives.linear_call` (a linear function with a custom
 # transpose) has jvp and transpose rules but, on JAX 0.10-0.12, no batching
@@ -914,6 +931,44 @@ def register_linear_call_batching() -> None:
 
     if linear_call_p not in batching.fancy_primitive_batchers:
         batching.fancy_primitive_batchers[linear_call_p] = _linear_call_batcher
+
+
+# --- custom_partitioning under vmap (jaxamp/fp8/_partitioned.py) ---
+# JAX 0.10-0.12 has no batching rule for `custom_partitioning` (each op's
+# partitioning callbacks would have to know the batched layout). jaxamp
+# batches its own ops, told apart by their static arguments; any other still
+# raises JAX's error.
+
+_CUSTOM_PARTITIONING_BATCHERS: list[tuple[Callable, Callable]] = []
+
+
+def _custom_partitioning_batcher(axis_data, args, dims, *, static_args, **params):
+    for owns, rule in _CUSTOM_PARTITIONING_BATCHERS:
+        if owns(static_args):
+            return rule(args, dims, static_args)
+    raise NotImplementedError("Batching rule for 'custom_partitioning' not implemented")
+
+
+def register_custom_partitioning_batching(owns: Callable, rule: Callable) -> None:
+    """Batch the `custom_partitioning` ops whose static arguments `owns` accepts with ``rule(args, dims, static_args)``.
+
+    Unless JAX has a batching rule for them.
+    """
+    from jax._src.custom_partitioning import custom_partitioning_p
+    from jax._src.interpreters import batching
+
+    current = batching.fancy_primitive_batchers.get(custom_partitioning_p)
+    if current is None:
+        batching.fancy_primitive_batchers[custom_partitioning_p] = current = _custom_partitioning_batcher
+    if current is _custom_partitioning_batcher:
+        _CUSTOM_PARTITIONING_BATCHERS.append((owns, rule))
+
+
+def dot_general_batch_dims(ndims: tuple[int, int], mapped: tuple[Any, Any], dimension_numbers: Any) -> tuple[Any, int]:
+    """``(dimension numbers, result's mapped dim)`` of a ``dot_general`` whose operands gained vmap's `mapped` dims."""
+    from jax._src.lax.lax import _dot_general_batch_dim_nums
+
+    return _dot_general_batch_dim_nums(ndims, mapped, dimension_numbers)
 
 
 # --- devices deciding together (jaxamp/scaling/_finite.py) ---

@@ -35,7 +35,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--mode", choices=["jit", "shard_map"], default="jit")
-    parser.add_argument("--dtype", choices=["bf16", "f16", "fp8-delayed"], default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "f16", "fp8", "fp8-delayed"], default="bf16")
+    parser.add_argument("--axis-type", choices=["explicit", "auto"], default="explicit")
     parser.add_argument("--redo-on-nan", type=int, default=0)
     parser.add_argument("--low-precision", action="store_true")
     parser.add_argument("--float32-reductions", action="store_true")
@@ -126,14 +127,15 @@ def _gathered(leaf):
 
 
 def main():
-    mesh = jax.make_mesh((DEVICES,), ("dp",))  # Explicit axes: JAX's default
+    axis_type = jax.sharding.AxisType.Explicit if ARGS.axis_type == "explicit" else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((DEVICES,), ("dp",), axis_types=(axis_type,))  # Explicit: JAX's default
     assert len(mesh.devices.ravel()) == DEVICES
     delayed = ARGS.dtype == "fp8-delayed"
     compute_dtype = ARGS.dtype
-    if delayed:  # both matmuls in float8, scaled from amax histories
+    if ARGS.dtype.startswith("fp8"):  # both matmuls in float8; delayed: scaled from amax histories
         compute_dtype = jaxamp.Fp8Recipe(
-            scaling="delayed", amax_history_length=4, keep_last_matmul_bf16=False, gemm_multiple=1,
-            min_contraction=1,
+            scaling="delayed" if delayed else "tensorwise", amax_history_length=4, keep_last_matmul_bf16=False,
+            gemm_multiple=1, min_contraction=1,
         )
     amp_loss = jaxamp.amp(
         loss_fn, compute_dtype=compute_dtype, float32_gradient_reductions=ARGS.float32_reductions

@@ -59,6 +59,7 @@ from ._quantize import E4M3, quantize
 from ._recipe import BLOCK_SCALINGS, Fp8Recipe
 from ._schemes import (
     BLOCK_SIZE,
+    AutoPerShard,
     BlockScaled,
     Delayed,
     PerGroup,
@@ -247,6 +248,8 @@ class Fp8MatmulRule:
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))
             scheme = PerShard(bind_params, *avals, *shards, compute_dtype, power_of_two, gradient, precisions)
+        elif name == "dot_general" and _compat.on_auto_mesh(lhs, rhs):
+            scheme = AutoPerShard(bind_params, compute_dtype, power_of_two, gradient, precisions)
         else:
             scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
         if recipe.scaling == "delayed" and history is None:
@@ -264,6 +267,8 @@ class Fp8MatmulRule:
             _warn_fallback(recipe.scaling, name, unblocked)
         if isinstance(scheme, PerShard):
             description += f", a scale per shard along {', '.join(shard_axes(shards))}"
+        elif isinstance(scheme, AutoPerShard):
+            description += ", a scale per device's shard, as XLA splits the operands (an Auto mesh)"
         linear = linear_operands(eqn)
         if linear is not None and any(linear[:2]):
             # In a custom_jvp rule, a tangent times a primal: linear in the

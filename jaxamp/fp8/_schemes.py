@@ -14,6 +14,9 @@ straight-through estimator); gradients run in float8, as each recipe says.
 * `PerGroup`: `lax.ragged_dot` with a scale per group (expert).
 * `PerShard`: tensorwise with a scale per shard of the dimensions an Explicit
   mesh splits and the matmul does not contract; ``dot_general``.
+* `AutoPerShard`: tensorwise with a scale per device's shard on an Auto mesh,
+  decided when XLA partitions the program (`jaxamp.fp8._partitioned`); ``dot_general``.
+* `BlockScaled`: MXFP8 and Transformer Engine's blockwise recipe; ``dot_general``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ._differentiable import OTHER_SIDE
+from ._partitioned import LocalScaling, per_shard_dot
 from ._quantize import (
     E4M3,
     E5M2,
@@ -45,8 +49,8 @@ from ._quantize import (
 from ._state import ROLES, history_scale, observation
 
 __all__ = [
-    "BLOCK_SIZE", "BlockScaled", "Delayed", "PerGroup", "PerShard", "Rowwise", "Tensorwise", "blocked_dot",
-    "shard_axes", "sharded_free_dims",
+    "AutoPerShard", "BLOCK_SIZE", "BlockScaled", "Delayed", "PerGroup", "PerShard", "Rowwise", "Tensorwise",
+    "blocked_dot", "shard_axes", "sharded_free_dims",
 ]
 
 _F32 = np.dtype(jnp.float32)
@@ -444,6 +448,49 @@ class BlockScaled:
         weight_block = self._weight_block(other, oc, ob) if side == "lhs" else 1
         d = blocked_dot(g, other, dims, self.block, self.mode, weight_block, self.gradient_format, self.precisions[1])
         return lax.transpose(d, order).astype(aval.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AutoPerShard:
+    """A tensorwise ``dot_general`` on an Auto mesh: each device scales its own shards (`_partitioned`).
+
+    `PerShard`'s scales for a mesh whose types carry no sharding: every
+    product (forward, both gradients) is a `per_shard_dot`, which XLA's
+    partitioner tells the operands' shardings, so no amax crosses devices.
+    Residuals are the operands in the compute dtype, quantised again in each
+    gradient product (see `_partitioned`); cotangents in `gradient_format`.
+    """
+
+    params: dict
+    out_dtype: Any
+    power_of_two: bool = False
+    gradient_format: Any = E5M2
+    precisions: tuple = (None, None)  # forward, gradient (`Fp8Recipe.accumulation_precisions`)
+
+    @property
+    def primitive(self) -> Any:
+        return _compat.primitives_by_name()["dot_general"]
+
+    def _how(self, dimension_numbers: Any, formats: tuple, precision: Any, out_dtype: Any) -> LocalScaling:
+        precision = _accumulating(self.params, precision).get("precision")
+        return LocalScaling(dimension_numbers, precision, formats, self.power_of_two, np.dtype(out_dtype))
+
+    def quantize(self, side, x, rest):
+        # Each product quantises its own operands, per shard: keep the operand.
+        return x.astype(self.out_dtype)
+
+    def product(self, lhs, rhs, rest):
+        how = self._how(self.params["dimension_numbers"], (E4M3, E4M3), self.precisions[0], self.out_dtype)
+        return per_shard_dot(lhs, rhs, how)
+
+    def tangent(self, side, other, t, rest):
+        return _tangent_product(self, side, t, other)
+
+    def cotangent(self, side, other, aval, g, rest):
+        lhs_ndim, rhs_ndim = _pair(side, aval.ndim, other.ndim)
+        dims, order = _gradient_dims(self.params["dimension_numbers"], side, lhs_ndim, rhs_ndim)
+        how = self._how(dims, (self.gradient_format, E4M3), self.precisions[1], aval.dtype)
+        return lax.transpose(per_shard_dot(g, other, how), order)
 
 
 # --- scales per shard -----------------------------------------------------------
