@@ -255,6 +255,16 @@ def test_collectives_the_loss_scaler_adds_one_scalar_all_reduce_at_most():
     assert "f16" not in rows["jit", True, True]["operands"]
 
 
+def test_collectives_fp8_adds_no_all_reduce_on_any_mesh():
+    # Per-shard scales: while tracing on an Explicit mesh, when XLA partitions
+    # the step on an Auto one (before: 3 against 1), per device in shard_map.
+    from benchmarks import collectives
+
+    rows = {(r["mode"], r["compute dtype"]): r["all-reduces"] for r in collectives.measure_fp8()}
+    for mode in ("jit (Explicit)", "jit (Auto)", "shard_map (Auto)"):
+        assert rows[mode, "fp8"] == rows[mode, "bf16"] == 1, rows
+
+
 def test_fp8_recipes_meet_torchaos_accuracy_bar_on_a_linear_layer():
     # torchao's float8 linear tests: output >= 18 dB and weight gradient >= 17 dB
     # against bf16. Measured (2048x1024x1024): 28.5 dB output for every recipe;

@@ -238,7 +238,10 @@ def test_auto_mesh_scales_each_device_apart():
     one_device = np.asarray(matmul(x, w), np.float32)
     mesh = _mesh("auto")
     with jax.set_mesh(mesh):
-        sharded = np.asarray(matmul(jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data"))), w), np.float32)
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+        sharded = np.asarray(matmul(xs, w), np.float32)
+        report = str(jaxamp.explain(lambda x, w: x @ w, compute_dtype=FP8)(xs, w))
+    assert "a scale per device's shard as XLA splits the operands (an Auto mesh; saved in bf16)" in report, report
 
     def error(got):
         return np.abs(got[4:] - x[4:]).max() / np.abs(x[4:]).max()
