@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _compat
 from ._quantize import place, quantize_along
 
-__all__ = ["LocalScaling", "per_shard_dot"]
+__all__ = ["LocalScaling", "axis_names", "free_dims", "per_shard_dot"]
 
 _F32 = np.dtype(np.float32)
 
@@ -66,7 +66,7 @@ class LocalScaling(NamedTuple):
 def _scaled_product(lhs: Any, rhs: Any, how: LocalScaling, summed_over: tuple = ()) -> Any:
     """One device's product: its shards quantised with their own scales, summed over `summed_over`."""
     (lc, rc), (lb, rb) = how.dimension_numbers
-    lf, rf = _free_dims(lhs.ndim, lc, lb), _free_dims(rhs.ndim, rc, rb)
+    lf, rf = free_dims(lhs.ndim, lc, lb), free_dims(rhs.ndim, rc, rb)
     scaled = []
     for x, fmt, own in zip((lhs, rhs), how.formats, how.own_scales):
         scaled.append(quantize_along(x, fmt, [d for d in range(x.ndim) if d not in own], how.power_of_two))
@@ -89,13 +89,21 @@ def per_shard_dot(lhs: Any, rhs: Any, how: LocalScaling) -> Any:
     return _scaled_product(lhs, rhs, how)
 
 
-def _free_dims(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
+def free_dims(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
+    """A ``dot_general`` operand's dimensions it neither contracts nor batches, in order."""
     return [d for d in range(ndim) if d not in (*contracting, *batch)]
+
+
+def axis_names(entry: Any) -> tuple:
+    """The mesh axes a `PartitionSpec` entry splits its dimension over."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
 
 
 def _dims(how: LocalScaling, lhs_ndim: int, rhs_ndim: int) -> tuple:
     (lc, rc), (lb, rb) = how.dimension_numbers
-    return lc, rc, lb, rb, _free_dims(lhs_ndim, lc, lb), _free_dims(rhs_ndim, rc, rb)
+    return lc, rc, lb, rb, free_dims(lhs_ndim, lc, lb), free_dims(rhs_ndim, rc, rb)
 
 
 def _sharding_rule(how: LocalScaling, mesh: Any, operand_types: Sequence[Any], result_types: Any) -> tuple:
@@ -116,12 +124,6 @@ def _sharding_rule(how: LocalScaling, mesh: Any, operand_types: Sequence[Any], r
     return rule, {"reduction_factors": tuple(f"k{i}" for i in range(len(lc)))}
 
 
-def _names(entry: Any) -> tuple:
-    if entry is None:
-        return ()
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def _layout(how: LocalScaling, lhs: Any, rhs: Any) -> tuple[list, list, list, tuple]:
     """``(lhs spec, rhs spec, result spec, contraction axes)`` for the operands' shardings as XLA proposes them.
 
@@ -134,12 +136,12 @@ def _layout(how: LocalScaling, lhs: Any, rhs: Any) -> tuple[list, list, list, tu
     rhs_spec = [*rhs.sharding.spec, *(None,) * (len(rhs.shape) - len(rhs.sharding.spec))]
     for l, r in (*zip(lc, rc), *zip(lb, rb)):
         rhs_spec[r] = lhs_spec[l]
-    taken = {name for entry in lhs_spec for name in _names(entry)}
+    taken = {name for entry in lhs_spec for name in axis_names(entry)}
     for r in rf:
-        if taken.intersection(_names(rhs_spec[r])):
+        if taken.intersection(axis_names(rhs_spec[r])):
             rhs_spec[r] = None
     out_spec = [lhs_spec[d] for d in lb] + [lhs_spec[d] for d in lf] + [rhs_spec[d] for d in rf]
-    summed_over = tuple(name for d in lc for name in _names(lhs_spec[d]))
+    summed_over = tuple(name for d in lc for name in axis_names(lhs_spec[d]))
     return lhs_spec, rhs_spec, out_spec, summed_over
 
 

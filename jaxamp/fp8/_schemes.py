@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ._differentiable import OTHER_SIDE
-from ._partitioned import LocalScaling, per_shard_dot
+from ._partitioned import LocalScaling, axis_names, free_dims, per_shard_dot
 from ._quantize import (
     E4M3,
     E5M2,
@@ -196,7 +196,7 @@ class Rowwise:
 
     def _layout(self, lhs_ndim, rhs_ndim):
         (lc, rc), (lb, rb) = self.params["dimension_numbers"]
-        lf, rf = _free_dims(lhs_ndim, lc, lb), _free_dims(rhs_ndim, rc, rb)
+        lf, rf = free_dims(lhs_ndim, lc, lb), free_dims(rhs_ndim, rc, rb)
         batch, out_lf = range(len(lb)), range(len(lb), len(lb) + len(lf))
         out_rf = range(len(lb) + len(lf), len(lb) + len(lf) + len(rf))
         return lf, rf, batch, out_lf, out_rf
@@ -312,7 +312,7 @@ def _free_and_flat(x: Any, contracting: Sequence[int], batch: Sequence[int], con
 
     Its free dims and its contracted dims are each flattened into one.
     """
-    free = _free_dims(x.ndim, contracting, batch)
+    free = free_dims(x.ndim, contracting, batch)
     order = (*batch, *free, *contracting) if contraction_last else (*batch, *contracting, *free)
     sizes = [x.shape[d] for d in batch]
     flat_free = int(np.prod([x.shape[d] for d in free], dtype=int))
@@ -381,7 +381,7 @@ def _gradient_dims(dimension_numbers: Any, side: str, lhs_ndim: int, rhs_ndim: i
         (xc, yc), (xb, yb), x_ndim, y_ndim = (lc, rc), (lb, rb), lhs_ndim, rhs_ndim
     else:
         (xc, yc), (xb, yb), x_ndim, y_ndim = (rc, lc), (rb, lb), rhs_ndim, lhs_ndim
-    x_kept, y_kept = _free_dims(x_ndim, xc, xb), _free_dims(y_ndim, yc, yb)
+    x_kept, y_kept = free_dims(x_ndim, xc, xb), free_dims(y_ndim, yc, yb)
     if side == "rhs":
         ans_batch, ans_y, _ = _ranges_like(xb, y_kept, x_kept)
     else:
@@ -422,7 +422,7 @@ class BlockScaled:
     def _weight_block(self, weight: Any, contracting: Sequence[int], batch: Sequence[int]) -> int:
         if self.mode != "blockwise":
             return 1
-        free = int(np.prod([weight.shape[d] for d in _free_dims(weight.ndim, contracting, batch)], dtype=int))
+        free = int(np.prod([weight.shape[d] for d in free_dims(weight.ndim, contracting, batch)], dtype=int))
         contraction = int(np.prod([weight.shape[d] for d in contracting], dtype=int))
         return 128 if free % 128 == 0 and contraction % 128 == 0 else 1
 
@@ -501,16 +501,6 @@ def _spec_of(aval: Any) -> tuple:
     return spec + (None,) * (aval.ndim - len(spec))
 
 
-def _free_dims(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
-    return [d for d in range(ndim) if d not in (*contracting, *batch)]
-
-
-def _axis_names(entry: Any) -> tuple:
-    if entry is None:
-        return ()
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
     """The dims of a ``dot_general``'s operands that `PerShard` scales per shard.
 
@@ -526,13 +516,13 @@ def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
     def blocks(x, contracting, batch, other, other_contracting):
         other_spec = _spec_of(jax.typeof(other))
         taken = {
-            name for d, entry in enumerate(other_spec) if d not in other_contracting for name in _axis_names(entry)
+            name for d, entry in enumerate(other_spec) if d not in other_contracting for name in axis_names(entry)
         }
         shards = _compat.explicit_shards(x)
         return {
             d: shards[d]
-            for d in _free_dims(np.ndim(x), contracting, batch)
-            if d in shards and not taken.intersection(_axis_names(shards[d][1]))
+            for d in free_dims(np.ndim(x), contracting, batch)
+            if d in shards and not taken.intersection(axis_names(shards[d][1]))
         }
 
     return blocks(lhs, lc, lb, rhs, rc), blocks(rhs, rc, rb, lhs, lc)
@@ -540,7 +530,7 @@ def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
 
 def shard_axes(blocks: tuple[dict, dict]) -> list[str]:
     """The mesh axes `sharded_free_dims` found, for diagnostics."""
-    return sorted({str(name) for side in blocks for _, entry in side.values() for name in _axis_names(entry)})
+    return sorted({str(name) for side in blocks for _, entry in side.values() for name in axis_names(entry)})
 
 
 def _split_layout(aval: Any, blocks: dict, spec: Sequence[Any] | None = None) -> tuple[tuple, list, dict, dict]:
@@ -568,7 +558,7 @@ def _split_layout(aval: Any, blocks: dict, spec: Sequence[Any] | None = None) ->
 
 def _without(entry: Any, axes: set) -> Any:
     """A spec entry with `axes` removed (None if none is left)."""
-    kept = tuple(name for name in _axis_names(entry) if name not in axes)
+    kept = tuple(name for name in axis_names(entry) if name not in axes)
     if not kept:
         return None
     return kept[0] if len(kept) == 1 and not isinstance(entry, tuple) else kept
@@ -578,7 +568,7 @@ def _product_layout(lhs: tuple, rhs: tuple, dimension_numbers: Any) -> tuple[tup
     """The shape and spec of a ``dot_general``'s result from its operands' ``(shape, spec)``."""
     (lhs_shape, lhs_spec), (rhs_shape, rhs_spec) = lhs, rhs
     (lc, rc), (lb, rb) = dimension_numbers
-    l_free, r_free = _free_dims(len(lhs_shape), lc, lb), _free_dims(len(rhs_shape), rc, rb)
+    l_free, r_free = free_dims(len(lhs_shape), lc, lb), free_dims(len(rhs_shape), rc, rb)
     shape = [lhs_shape[d] for d in lb] + [lhs_shape[d] for d in l_free] + [rhs_shape[d] for d in r_free]
     spec = [lhs_spec[d] for d in lb] + [lhs_spec[d] for d in l_free] + [rhs_spec[d] for d in r_free]
     return tuple(shape), spec
@@ -622,7 +612,7 @@ class PerShard:
         contracting = {"lhs": lc, "rhs": rc}
         self.gathered_spec = {}
         for side, aval in self.avals.items():
-            other_axes = {n for _, entry in blocks[OTHER_SIDE[side]].values() for n in _axis_names(entry)}
+            other_axes = {n for _, entry in blocks[OTHER_SIDE[side]].values() for n in axis_names(entry)}
             self.gathered_spec[side] = [
                 _without(entry, other_axes) if d in contracting[side] else entry
                 for d, entry in enumerate(_spec_of(aval))
@@ -637,7 +627,7 @@ class PerShard:
             "lhs": [rhs_blocks[d] for d in self.order["rhs"]],
             "rhs": [lhs_blocks[d] for d in self.order["lhs"]],
         }
-        l_free, r_free = _free_dims(lhs_aval.ndim, lc, lb), _free_dims(rhs_aval.ndim, rc, rb)
+        l_free, r_free = free_dims(lhs_aval.ndim, lc, lb), free_dims(rhs_aval.ndim, rc, rb)
         self.blocked_params = dict(
             params,
             out_sharding=_blocked_out_sharding(params.get("out_sharding"), lb, l_free, r_free, *self.order.values()),
