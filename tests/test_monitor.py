@@ -1,6 +1,7 @@
 """`jaxamp.monitor`: statistics inside jit equal a direct computation on the same values."""
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -218,6 +219,34 @@ def test_fp8_operands_report_their_scale_and_the_amax_quantised():
     np.testing.assert_allclose(lhs["scale"], amax / 448.0, rtol=1e-6)
     assert 0 < lhs["amax"] <= 448
     assert any(r["fp8"] and r["dtype"] == "float8_e5m2" for r in rows.values() if r["direction"] == "backward")
+
+
+def test_fp8_on_an_auto_mesh_reports_each_products_operands():
+    # On an Auto mesh each float8 product quantises per device inside a
+    # custom_partitioning op: its sites are its compute-dtype operands and its
+    # result, forward and backward, with no warning that a body went unseen.
+    if len(jax.devices()) < 4:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    w = jax.random.normal(jax.random.key(0), (32, 32)) / 6
+    x = jax.random.normal(jax.random.key(1), (16, 32))
+
+    def loss(w, x):
+        with jax.named_scope("layer"):
+            h = jnp.tanh(x @ w)
+        return jnp.sum((h @ w).astype(jnp.float32) ** 2)
+
+    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.Fp8Recipe(keep_last_matmul_bf16=False))
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xs = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
+        _, stats = jax.jit(jaxamp.monitor(jax.value_and_grad(amp_loss)))(w, xs)
+    rows = {(r["direction"], r["scope"], r["name"]): r for r in stats.rows()}
+    lhs = rows[("forward", "layer", "dot_general[0].lhs")]
+    assert lhs["dtype"] == "bfloat16" and not lhs["fp8"]
+    np.testing.assert_array_equal(by_site(stats)[("forward", "layer", "dot_general[0].lhs")], reference(x.astype(BF16)))
+    matmuls = [d for d, _, name in rows if name.startswith("dot_general")]
+    assert matmuls.count("forward") == 6 and matmuls.count("backward") == 9, sorted(rows)  # 2 and 3 products
 
 
 @settings(max_examples=20, deadline=None)

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec
 
 from .. import _compat
 from .._jaxpr import MATMUL_NAMES, holds_matmul, source_label
+from ..fp8._partitioned import is_per_shard_dot
 from ._measure import NUM_MAX_FIELDS, combine, is_low_precision, measure
 
 __all__ = ["Site", "walk"]
@@ -122,7 +123,8 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
         direction = "backward" if backward else "forward"
         invals = [read(v) for v in eqn.invars]
         handler = _HANDLERS.get(eqn.primitive)
-        if handler is None and holds_matmul(eqn) and eqn.primitive.name not in MATMUL_NAMES:
+        matmul = _matmul_name(eqn)
+        if handler is None and holds_matmul(eqn) and matmul not in MATMUL_NAMES:
             handler = _opaque  # a Pallas kernel...: bound as is, said once
         if handler is not None:
             nested = _Context(path, backward, recompute, ctx.call_sites + (eqn,))
@@ -137,8 +139,8 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
             continue
         scope = "/".join(path) or source_label(eqn, ctx.call_sites) or eqn.primitive.name
         measured = set()
-        if eqn.primitive.name in MATMUL_NAMES and any(is_low_precision(x.dtype) for x in invals[:2]):
-            k = state.number(direction, scope, eqn.primitive.name)
+        if matmul in MATMUL_NAMES and any(is_low_precision(x.dtype) for x in invals[:2]):
+            k = state.number(direction, scope, matmul)
             named = [(eqn.invars[0], "lhs"), (eqn.invars[1], "rhs"), (eqn.outvars[0], "out")]
             if any(str(x.dtype).startswith("float8") for x in invals[:2]):
                 # A float8 product is in the operands' scaled units until it is
@@ -146,7 +148,7 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
                 named = named[:2]
             for v, role in named:
                 source = _fp8_source(v, producers, read)
-                name = f"{eqn.primitive.name}[{k}].{role}"
+                name = f"{matmul}[{k}].{role}"
                 made = made_in.get(v) if not isinstance(v, _compat.Literal) else None
                 handed_in = made is not None and made[: len(path)] != path
                 site = Site(direction, scope, name, np.dtype(v.aval.dtype).name, source is not None, handed_in)
@@ -160,6 +162,15 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
                 site = Site(direction, scope, f"output[{k}]", np.dtype(v.aval.dtype).name)
                 taps.append((site, _measure_var(state, v, producers, constant, read)))
     return [read(v) for v in jaxpr.outvars], taps
+
+
+def _matmul_name(eqn: Any) -> str:
+    """The primitive's name; ``"dot_general"`` for fp8's per-device product on an Auto mesh.
+
+    That product (`jaxamp.fp8._partitioned`) quantises its operands inside,
+    per device, so its sites are its compute-dtype operands and its result.
+    """
+    return "dot_general" if is_per_shard_dot(eqn) else eqn.primitive.name
 
 
 def _user_scopes(path: tuple[str, ...]) -> tuple[str, ...]:
