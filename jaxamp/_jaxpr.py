@@ -24,6 +24,7 @@ __all__ = [
     "bodies",
     "equation_flops",
     "holds_matmul",
+    "matmul_name",
     "matmuls_in",
     "merge_runs",
     "source_label",
@@ -61,6 +62,17 @@ def matmuls_in(jaxpr: Any, *, enter: Callable[[Any], bool] | None = None) -> Ite
             continue
         for body in bodies(eqn):
             yield from matmuls_in(body, enter=enter)
+
+
+def matmul_name(eqn: Any) -> str:
+    """The primitive's name, or the matmul an op declares it stands for.
+
+    fp8 mode's per-device product on an Auto mesh (`jaxamp.fp8._partitioned`)
+    is a ``custom_partitioning`` op whose static argument names the
+    ``dot_general`` it computes (``jaxamp_matmul``).
+    """
+    static = eqn.params.get("static_args") if eqn.primitive.name == "custom_partitioning" else None
+    return (getattr(static[0], "jaxamp_matmul", None) if static else None) or eqn.primitive.name
 
 
 def holds_matmul(eqn: Any) -> bool:

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _compat
 from ._quantize import place, quantize_along
 
-__all__ = ["LocalScaling", "axis_names", "free_dims", "is_per_shard_dot", "per_shard_dot"]
+__all__ = ["LocalScaling", "axis_names", "free_dims", "per_shard_dot"]
 
 _F32 = np.dtype(np.float32)
 
@@ -62,11 +62,8 @@ class LocalScaling(NamedTuple):
     out_dtype: Any
     own_scales: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
-
-def is_per_shard_dot(eqn: Any) -> bool:
-    """Whether the jaxpr equation `eqn` is a `per_shard_dot` (a float8 ``dot_general`` on an Auto mesh)."""
-    static = eqn.params.get("static_args") if eqn.primitive.name == "custom_partitioning" else None
-    return bool(static) and isinstance(static[0], LocalScaling)
+    # The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`).
+    jaxamp_matmul = "dot_general"
 
 
 def _scaled_product(lhs: Any, rhs: Any, how: LocalScaling, summed_over: tuple = ()) -> Any:

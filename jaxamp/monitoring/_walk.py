@@ -28,8 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .. import _compat
-from .._jaxpr import MATMUL_NAMES, holds_matmul, source_label
-from ..fp8._partitioned import is_per_shard_dot
+from .._jaxpr import MATMUL_NAMES, holds_matmul, matmul_name, source_label
 from ._measure import NUM_MAX_FIELDS, combine, is_low_precision, measure
 
 __all__ = ["Site", "walk"]
@@ -123,7 +122,9 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
         direction = "backward" if backward else "forward"
         invals = [read(v) for v in eqn.invars]
         handler = _HANDLERS.get(eqn.primitive)
-        matmul = _matmul_name(eqn)
+        # fp8's per-device product on an Auto mesh quantises inside: its
+        # sites are its compute-dtype operands and its result.
+        matmul = matmul_name(eqn)
         if handler is None and holds_matmul(eqn) and matmul not in MATMUL_NAMES:
             handler = _opaque  # a Pallas kernel...: bound as is, said once
         if handler is not None:
@@ -162,15 +163,6 @@ def _run(state: _Walk, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], c
                 site = Site(direction, scope, f"output[{k}]", np.dtype(v.aval.dtype).name)
                 taps.append((site, _measure_var(state, v, producers, constant, read)))
     return [read(v) for v in jaxpr.outvars], taps
-
-
-def _matmul_name(eqn: Any) -> str:
-    """The primitive's name; ``"dot_general"`` for fp8's per-device product on an Auto mesh.
-
-    That product (`jaxamp.fp8._partitioned`) quantises its operands inside,
-    per device, so its sites are its compute-dtype operands and its result.
-    """
-    return "dot_general" if is_per_shard_dot(eqn) else eqn.primitive.name
 
 
 def _user_scopes(path: tuple[str, ...]) -> tuple[str, ...]:
