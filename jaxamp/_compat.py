@@ -192,6 +192,11 @@ def abstract_value(x: Any) -> Any:
     return jax.typeof(x)
 
 
+def shaped_array(shape: Sequence[int], dtype: Any) -> Any:
+    """An abstract value of `shape` and `dtype` (no sharding): a stand-in for an operand not at hand."""
+    return _core.ShapedArray(tuple(shape), dtype)
+
+
 def with_dtype(aval: Any, dtype: Any) -> Any:
     """`aval` with its dtype replaced (weak type dropped when the dtype changes)."""
     if aval.dtype == dtype:

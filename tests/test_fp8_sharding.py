@@ -273,6 +273,54 @@ def test_vmap_on_an_auto_mesh_scales_each_example_as_one_device_does():
     assert sum(e.primitive.name == "custom_partitioning" for e in iter_eqns(jaxpr)) == 2
 
 
+def _conv_net(params, x):
+    dims = ("NHWC", "HWIO", "NHWC")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(x, params["k1"], (1, 1), "SAME", dimension_numbers=dims))
+    h = jax.lax.conv_general_dilated(h, params["k2"], (1, 1), "SAME", dimension_numbers=dims)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def _conv_problem():
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"k1": jax.random.normal(k[0], (3, 3, 16, 32)) / 12, "k2": jax.random.normal(k[1], (3, 3, 32, 32)) / 17}
+    x = jax.random.normal(k[2], (16, 8, 8, 16)) * jnp.arange(1, 17, dtype=jnp.float32)[:, None, None, None]
+    return params, x
+
+
+def test_auto_mesh_convolutions_scale_per_device_with_no_all_reduce_beyond_bf16():
+    # A data-parallel two-convolution step: 5 all-reduces with one scale per
+    # tensor (before), 1 (the kernels' gradients) with a scale per device.
+    params, x = _conv_problem()
+    want = jax.grad(_conv_net)(params, x)
+    mesh = _mesh("auto")
+    counts = {}
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+        for compute_dtype in ("bf16", FP8):
+            step = jax.jit(jax.grad(jaxamp.amp(_conv_net, compute_dtype=compute_dtype)))
+            counts[str(compute_dtype)] = _all_reduces(step.lower(params, xs).compile().as_text())
+        grads = step(params, xs)
+        jaxpr = jax.make_jaxpr(step)(params, xs)
+        per_example = jax.jit(jax.vmap(jax.grad(jaxamp.amp(_conv_net, compute_dtype=FP8)), in_axes=(None, 0)))
+        examples = per_example(params, xs[:, None])
+        one = step(params, xs[3:4])
+        # Forward mode, the batch a constant of the jit (XLA then proposes
+        # shardings no mesh names, all replicated).
+        loss = jaxamp.amp(_conv_net, compute_dtype=FP8)
+        value, tangent = jax.jit(lambda p: jax.jvp(lambda p: loss(p, xs), (p,), (p,)))(params)
+    want_value, want_tangent = jax.jvp(lambda p: _conv_net(p, x), (params,), (params,))
+    assert abs(float(tangent) - float(want_tangent)) < 0.1 * abs(float(want_tangent))
+    assert counts[str(FP8)] == counts["bf16"], counts
+    for name in want:  # the float32 tolerance of the other per-shard tests
+        assert _relative_error(grads[name], want[name]) < 0.25, name
+    convs = float_operand_dtypes(jaxpr, ("conv_general_dilated",))
+    assert len(convs) == 5 and all(d in (E4M3, E5M2) for _, ds in convs for d in ds), convs
+    assert sum(e.primitive.name == "custom_partitioning" for e in iter_eqns(jaxpr)) == 5
+    # vmap: each example scaled apart, as one example alone on the mesh.
+    for name in want:
+        assert _relative_error(examples[name][3], one[name]) < 1e-5, name
+
+
 def test_an_fsdp_weight_is_gathered_in_float8_after_one_agreed_scale():
     # The FSDP layout of the sharding matrix on an Explicit mesh: each weight's
     # amax is reduced once (XLA combines the three scalars into one

@@ -248,8 +248,8 @@ class Fp8MatmulRule:
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))
             scheme = PerShard(bind_params, *avals, *shards, compute_dtype, power_of_two, gradient, precisions)
-        elif name == "dot_general" and _compat.on_auto_mesh(lhs, rhs):
-            scheme = AutoPerShard(bind_params, compute_dtype, power_of_two, gradient, precisions)
+        elif _splits_per_device(eqn) and _compat.on_auto_mesh(lhs, rhs):
+            scheme = AutoPerShard(eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
         else:
             scheme = Tensorwise(eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
         if recipe.scaling == "delayed" and history is None:
@@ -345,6 +345,13 @@ def _differentiated_twice() -> str:
         UserWarning,
     )
     return reason
+
+
+def _splits_per_device(eqn: Any) -> bool:
+    """Whether `AutoPerShard` takes `eqn`: a ``dot_general``, or an ungrouped convolution."""
+    if eqn.primitive.name == "conv_general_dilated":
+        return eqn.params["feature_group_count"] == 1 and eqn.params["batch_group_count"] == 1
+    return eqn.primitive.name == "dot_general"
 
 
 def _delayed_history(name: str, length: int) -> tuple[Any, str]:

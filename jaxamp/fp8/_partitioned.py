@@ -24,9 +24,10 @@ forward product, which XLA may split differently from the gradient's.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _compat
 from ._quantize import place, quantize_along
 
-__all__ = ["LocalScaling", "axis_names", "free_dims", "per_shard_dot"]
+__all__ = ["LocalConv", "LocalScaling", "axis_names", "free_dims", "per_shard_conv", "per_shard_dot"]
 
 _F32 = np.dtype(np.float32)
 
@@ -66,7 +67,7 @@ class LocalScaling(NamedTuple):
     jaxamp_matmul = "dot_general"
 
 
-def _scaled_product(lhs: Any, rhs: Any, how: LocalScaling, summed_over: tuple = ()) -> Any:
+def _local_dot(lhs: Any, rhs: Any, how: LocalScaling, summed_over: tuple, mesh: Any, result_spec: Any) -> Any:
     """One device's product: its shards quantised with their own scales, summed over `summed_over`."""
     (lc, rc), (lb, rb) = how.dimension_numbers
     lf, rf = free_dims(lhs.ndim, lc, lb), free_dims(rhs.ndim, rc, rb)
@@ -86,12 +87,6 @@ def _scaled_product(lhs: Any, rhs: Any, how: LocalScaling, summed_over: tuple = 
     return out.astype(how.out_dtype)
 
 
-@functools.partial(custom_partitioning, static_argnums=(2,))
-def per_shard_dot(lhs: Any, rhs: Any, how: LocalScaling) -> Any:
-    """``dot_general`` of `lhs` and `rhs` in float8, each device's shards scaled apart (see the module doc)."""
-    return _scaled_product(lhs, rhs, how)
-
-
 def free_dims(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
     """A ``dot_general`` operand's dimensions it neither contracts nor batches, in order."""
     return [d for d in range(ndim) if d not in (*contracting, *batch)]
@@ -109,62 +104,201 @@ def _dims(how: LocalScaling, lhs_ndim: int, rhs_ndim: int) -> tuple:
     return lc, rc, lb, rb, free_dims(lhs_ndim, lc, lb), free_dims(rhs_ndim, rc, rb)
 
 
-def _sharding_rule(how: LocalScaling, mesh: Any, operand_types: Sequence[Any], result_types: Any) -> tuple:
-    """Shardy's rule, einsum-like: batch and contraction factors shared, the contraction a reduction."""
-    lhs, rhs = operand_types
-    lc, rc, lb, rb, lf, rf = _dims(how, len(lhs.shape), len(rhs.shape))
-    lhs_factors, rhs_factors = [""] * len(lhs.shape), [""] * len(rhs.shape)
+class _Factors(NamedTuple):
+    """An op's dimensions as Shardy factors: those of each operand, of the result, which it sums, which stay whole."""
+
+    operands: tuple[tuple[str, ...], ...]
+    result: tuple[str, ...]
+    reduced: tuple[str, ...] = ()
+    replicated: tuple[str, ...] = ()
+
+
+def _dot_factors(how: LocalScaling, lhs_ndim: int, rhs_ndim: int) -> _Factors:
+    lc, rc, lb, rb, lf, rf = _dims(how, lhs_ndim, rhs_ndim)
+    lhs, rhs = [""] * lhs_ndim, [""] * rhs_ndim
     for i, (l, r) in enumerate(zip(lb, rb)):
-        lhs_factors[l] = rhs_factors[r] = f"b{i}"
+        lhs[l] = rhs[r] = f"b{i}"
     for i, (l, r) in enumerate(zip(lc, rc)):
-        lhs_factors[l] = rhs_factors[r] = f"k{i}"
+        lhs[l] = rhs[r] = f"k{i}"
     for i, d in enumerate(lf):
-        lhs_factors[d] = f"l{i}"
+        lhs[d] = f"l{i}"
     for i, d in enumerate(rf):
-        rhs_factors[d] = f"r{i}"
+        rhs[d] = f"r{i}"
     out = [f"b{i}" for i in range(len(lb))] + [f"l{i}" for i in range(len(lf))] + [f"r{i}" for i in range(len(rf))]
-    rule = f"{' '.join(lhs_factors)}, {' '.join(rhs_factors)} -> {' '.join(out)}"
-    return rule, {"reduction_factors": tuple(f"k{i}" for i in range(len(lc)))}
+    return _Factors((tuple(lhs), tuple(rhs)), tuple(out), tuple(f"k{i}" for i in range(len(lc))))
 
 
-def _layout(how: LocalScaling, lhs: Any, rhs: Any) -> tuple[list, list, list, tuple]:
-    """``(lhs spec, rhs spec, result spec, contraction axes)`` for the operands' shardings as XLA proposes them.
+def _entry(axes: Sequence[Any]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
-    The right operand follows the left along the contraction and batch
-    dimensions, and gives up a free dimension's split over an axis the left
-    one already uses (each mesh axis splits one dimension of the result).
+
+def _layout(factors: _Factors, operand_shapes: Sequence[Any]) -> tuple[list, list, tuple]:
+    """``(operands' specs, result spec, axes summed over)`` for the operands' shardings as XLA proposes them.
+
+    Each factor is split as the first operand that has it is split (so the
+    right operand follows the left along a contraction), over axes no other
+    factor took (each mesh axis splits one dimension of the result); the
+    `replicated` factors stay whole.
     """
-    lc, rc, lb, rb, lf, rf = _dims(how, len(lhs.shape), len(rhs.shape))
-    lhs_spec = [*lhs.sharding.spec, *(None,) * (len(lhs.shape) - len(lhs.sharding.spec))]
-    rhs_spec = [*rhs.sharding.spec, *(None,) * (len(rhs.shape) - len(rhs.sharding.spec))]
-    for l, r in (*zip(lc, rc), *zip(lb, rb)):
-        rhs_spec[r] = lhs_spec[l]
-    taken = {name for entry in lhs_spec for name in axis_names(entry)}
-    for r in rf:
-        if taken.intersection(axis_names(rhs_spec[r])):
-            rhs_spec[r] = None
-    out_spec = [lhs_spec[d] for d in lb] + [lhs_spec[d] for d in lf] + [rhs_spec[d] for d in rf]
-    summed_over = tuple(name for d in lc for name in axis_names(lhs_spec[d]))
-    return lhs_spec, rhs_spec, out_spec, summed_over
+    axes_of: dict[str, tuple] = {}
+    taken: set = set()
+    for shape, names in zip(operand_shapes, factors.operands):
+        spec = [*shape.sharding.spec, *(None,) * (len(shape.shape) - len(shape.sharding.spec))]
+        for factor, entry in zip(names, spec):
+            if factor in axes_of:
+                continue
+            axes = () if factor in factors.replicated or taken.intersection(axis_names(entry)) else axis_names(entry)
+            axes_of[factor] = axes
+            taken.update(axes)
+
+    def spec(names: Sequence[str]) -> list:
+        return [_entry(axes_of.get(f, ())) for f in names]
+
+    summed_over = tuple(name for factor in factors.reduced for name in axes_of.get(factor, ()))
+    return [spec(names) for names in factors.operands], spec(factors.result), summed_over
 
 
-def _partition(how: LocalScaling, mesh: Any, operand_shapes: Sequence[Any], result_shape: Any) -> tuple:
-    lhs_spec, rhs_spec, out_spec, summed_over = _layout(how, *operand_shapes)
+def _replicated_off_mesh(operand_shapes: Sequence[Any]) -> bool:
+    """Whether XLA proposes shardings no mesh names (a program whose inputs carry none), all replicated.
 
-    def per_device(lhs: Any, rhs: Any) -> Any:
-        return _scaled_product(lhs, rhs, how, summed_over)
+    Raises:
+        ValueError: such shardings that split an operand, which jaxamp cannot
+            map to mesh axes.
+    """
+    shardings = [s.sharding for s in operand_shapes]
+    if all(isinstance(sharding, NamedSharding) for sharding in shardings):
+        return False
+    if not all(sharding.is_fully_replicated for sharding in shardings):
+        raise ValueError(
+            f"jaxamp fp8 mode: XLA split a float8 product's operands as {shardings}, which names no mesh, so "
+            "their per-device scales cannot be chosen. Place the step's inputs with a NamedSharding on the mesh "
+            "(jax.device_put(x, NamedSharding(mesh, spec))) or pass them as arguments rather than constants."
+        )
+    return True
 
-    operands = (NamedSharding(mesh, P(*lhs_spec)), NamedSharding(mesh, P(*rhs_spec)))
-    return mesh, per_device, NamedSharding(mesh, P(*out_spec)), operands
+
+def _partitioned_op(factors_of: Callable, local: Callable) -> Callable:
+    """A `custom_partitioning` op ``op(lhs, rhs, how)`` computing ``local(lhs, rhs, how, summed_over, mesh, spec)``.
+
+    `factors_of(how, lhs_ndim, rhs_ndim)` gives its `_Factors`; `local`
+    computes one device's result from its shards (the whole operands when
+    unpartitioned: no axes summed over, no mesh).
+    """
+
+    @functools.partial(custom_partitioning, static_argnums=(2,))
+    def op(lhs: Any, rhs: Any, how: Any) -> Any:
+        return local(lhs, rhs, how, (), None, None)
+
+    def sharding_rule(how: Any, mesh: Any, operand_types: Sequence[Any], result_types: Any) -> tuple:
+        factors = factors_of(how, *(len(t.shape) for t in operand_types))
+        rule = ", ".join(" ".join(names) for names in factors.operands) + " -> " + " ".join(factors.result)
+        # Shardy wants special factors in the order the rule first names them.
+        order = list(dict.fromkeys(name for names in (*factors.operands, factors.result) for name in names))
+        reduced, replicated = (tuple(sorted(group, key=order.index)) for group in (factors.reduced, factors.replicated))
+        return rule, {"reduction_factors": reduced, "need_replication_factors": replicated}
+
+    def partition(how: Any, mesh: Any, operand_shapes: Sequence[Any], result_shape: Any) -> tuple:
+        if _replicated_off_mesh(operand_shapes):  # no mesh to name the devices: one whole copy each
+            return mesh, lambda lhs, rhs: local(lhs, rhs, how, (), None, None), result_shape.sharding, tuple(
+                s.sharding for s in operand_shapes
+            )
+        factors = factors_of(how, *(len(s.shape) for s in operand_shapes))
+        specs, out_spec, summed_over = _layout(factors, operand_shapes)
+
+        def per_device(lhs: Any, rhs: Any) -> Any:
+            return local(lhs, rhs, how, summed_over, mesh, out_spec)
+
+        operands = tuple(NamedSharding(mesh, P(*spec)) for spec in specs)
+        return mesh, per_device, NamedSharding(mesh, P(*out_spec)), operands
+
+    def result_sharding(how: Any, mesh: Any, operand_shapes: Sequence[Any], result_shape: Any) -> Any:
+        if _replicated_off_mesh(operand_shapes):
+            return operand_shapes[0].sharding
+        factors = factors_of(how, *(len(s.shape) for s in operand_shapes))
+        return NamedSharding(mesh, P(*_layout(factors, operand_shapes)[1]))
+
+    op.def_partition(partition=partition, infer_sharding_from_operands=result_sharding, sharding_rule=sharding_rule)
+    return op
 
 
-def _result_sharding(how: LocalScaling, mesh: Any, operand_shapes: Sequence[Any], result_shape: Any) -> Any:
-    return NamedSharding(mesh, P(*_layout(how, *operand_shapes)[2]))
+per_shard_dot = _partitioned_op(_dot_factors, _local_dot)
+"""``per_shard_dot(lhs, rhs, how)``: ``dot_general`` in float8, each device's shards scaled apart."""
 
 
-per_shard_dot.def_partition(
-    partition=_partition, infer_sharding_from_operands=_result_sharding, sharding_rule=_sharding_rule
-)
+class LocalConv(NamedTuple):
+    """What `per_shard_conv` computes (hashable: it is a static argument).
+
+    Attributes:
+        params: the ``conv_general_dilated``'s parameters, as sorted items
+            (precision included, `Fp8Recipe.accumulation_precisions`).
+        formats: the float8 formats of the two operands.
+        power_of_two: round scales up to powers of two.
+        out_dtype: the result's dtype.
+        cotangent_of: ``""``: the convolution of ``(lhs, rhs)``; ``"lhs"``
+            (``"rhs"``): the operands are the cotangent and the other operand,
+            and the result is that side's cotangent (JAX's transpose rule).
+        result_shape: with `cotangent_of`, that side's (whole) shape.
+    """
+
+    params: tuple
+    formats: tuple[Any, Any]
+    power_of_two: bool
+    out_dtype: Any
+    cotangent_of: str = ""
+    result_shape: tuple[int, ...] = ()
+
+    # The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`).
+    jaxamp_matmul = "conv_general_dilated"
+
+
+def _conv_factors(how: LocalConv, lhs_ndim: int, rhs_ndim: int) -> _Factors:
+    """Batch, input and output features shared as the convolution shares them; spatial dimensions whole."""
+    lhs_spec, rhs_spec, out_spec = dict(how.params)["dimension_numbers"]
+    spatial = len(lhs_spec) - 2
+
+    def laid_out(spec: Sequence[int], names: Sequence[str]) -> tuple[str, ...]:
+        factors = [""] * len(spec)
+        for dim, name in zip(spec, names):
+            factors[dim] = name
+        return tuple(factors)
+
+    lhs = laid_out(lhs_spec, ["n", "c", *(f"s{i}" for i in range(spatial))])
+    rhs = laid_out(rhs_spec, ["o", "c", *(f"k{i}" for i in range(spatial))])
+    out = laid_out(out_spec, ["n", "o", *(f"t{i}" for i in range(spatial))])
+    whole = tuple(f"{kind}{i}" for kind in "skt" for i in range(spatial))
+    if how.cotangent_of == "lhs":
+        return _Factors((out, rhs), lhs, ("o",), whole)
+    if how.cotangent_of == "rhs":
+        return _Factors((out, lhs), rhs, ("n",), whole)
+    return _Factors((lhs, rhs), out, ("c",), whole)
+
+
+def _local_conv(a: Any, b: Any, how: LocalConv, summed_over: tuple, mesh: Any, result_spec: Any) -> Any:
+    """One device's convolution (or cotangent): its shards quantised with their own scales, summed as `_local_dot`."""
+    q_a, s_a = quantize_along(a, how.formats[0], range(a.ndim), how.power_of_two)
+    q_b, s_b = quantize_along(b, how.formats[1], range(b.ndim), how.power_of_two)
+    conv = _compat.primitives_by_name()["conv_general_dilated"]
+    params = dict(how.params, preferred_element_type=_F32)
+    if not how.cotangent_of:
+        out = conv.bind(q_a, q_b, **params)
+    else:
+        shape = list(how.result_shape)
+        if mesh is not None:  # this device's block of the side's shape
+            for dim, entry in enumerate(result_spec):
+                for name in axis_names(entry):
+                    shape[dim] //= mesh.shape[name]
+        side = _compat.shaped_array(shape, how.out_dtype)
+        pair = (side, q_b) if how.cotangent_of == "lhs" else (q_b, side)
+        found = _compat.matmul_cotangents(conv, q_a, *pair, (), params, _F32, only=how.cotangent_of)
+        out = found[0 if how.cotangent_of == "lhs" else 1]
+    out = out * (s_a * s_b)
+    if summed_over:
+        out = lax.psum(out, summed_over)
+    return out.astype(how.out_dtype)
+
+
+per_shard_conv = _partitioned_op(_conv_factors, _local_conv)
+"""``per_shard_conv(lhs, rhs, how)``: ``conv_general_dilated`` (or a cotangent) in float8, per device's shards."""
 
 
 def _batched(args: Sequence[Any], dims: Sequence[Any], how: LocalScaling) -> tuple[list, list]:
@@ -187,4 +321,18 @@ def _batched(args: Sequence[Any], dims: Sequence[Any], how: LocalScaling) -> tup
 _compat.register_custom_partitioning_batching(
     owns=lambda static_args: len(static_args) == 1 and isinstance(static_args[0], LocalScaling),
     rule=lambda args, dims, static_args: _batched(args, dims, static_args[0]),
+)
+
+
+def _batched_conv(args: Sequence[Any], dims: Sequence[Any], how: LocalConv) -> tuple[list, list]:
+    """`jax.vmap` of `per_shard_conv`: each example scaled apart, as on one device (its shards' scales not split)."""
+    mapped = [0 if d is not None else None for d in dims]
+    moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+    out = jax.vmap(lambda a, b: _local_conv(a, b, how, (), None, None), in_axes=mapped)(*moved)
+    return [out], [0]
+
+
+_compat.register_custom_partitioning_batching(
+    owns=lambda static_args: len(static_args) == 1 and isinstance(static_args[0], LocalConv),
+    rule=lambda args, dims, static_args: _batched_conv(args, dims, static_args[0]),
 )

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ._differentiable import OTHER_SIDE
-from ._partitioned import LocalScaling, axis_names, free_dims, per_shard_dot
+from ._partitioned import LocalConv, LocalScaling, axis_names, free_dims, per_shard_conv, per_shard_dot
 from ._quantize import (
     E4M3,
     E5M2,
@@ -452,15 +452,17 @@ class BlockScaled:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AutoPerShard:
-    """A tensorwise ``dot_general`` on an Auto mesh: each device scales its own shards (`_partitioned`).
+    """A tensorwise ``dot_general`` or convolution on an Auto mesh: each device scales its own shards.
 
     `PerShard`'s scales for a mesh whose types carry no sharding: every
-    product (forward, both gradients) is a `per_shard_dot`, which XLA's
-    partitioner tells the operands' shardings, so no amax crosses devices.
-    Residuals are the operands in the compute dtype, quantised again in each
-    gradient product (see `_partitioned`); cotangents in `gradient_format`.
+    product (forward, both gradients) is a `per_shard_dot` or
+    `per_shard_conv` (`_partitioned`), which XLA's partitioner tells the
+    operands' shardings, so no amax crosses devices. Residuals are the
+    operands in the compute dtype, quantised again in each gradient product;
+    cotangents in `gradient_format`.
     """
 
+    primitive: Any
     params: dict
     out_dtype: Any
     power_of_two: bool = False
@@ -468,29 +470,41 @@ class AutoPerShard:
     precisions: tuple = (None, None)  # forward, gradient (`Fp8Recipe.accumulation_precisions`)
 
     @property
-    def primitive(self) -> Any:
-        return _compat.primitives_by_name()["dot_general"]
+    def _conv(self) -> bool:
+        return self.primitive.name == "conv_general_dilated"
 
-    def _how(self, dimension_numbers: Any, formats: tuple, precision: Any, out_dtype: Any) -> LocalScaling:
+    def _dot(self, dimension_numbers: Any, formats: tuple, precision: Any, out_dtype: Any) -> LocalScaling:
         precision = _accumulating(self.params, precision).get("precision")
         return LocalScaling(dimension_numbers, precision, formats, self.power_of_two, np.dtype(out_dtype))
+
+    def _conv_params(self, precision: Any) -> tuple:
+        params = _accumulating(self.params, precision)
+        params.pop("preferred_element_type")
+        return tuple(sorted(params.items()))
 
     def quantize(self, side, x, rest):
         # Each product quantises its own operands, per shard: keep the operand.
         return x.astype(self.out_dtype)
 
     def product(self, lhs, rhs, rest):
-        how = self._how(self.params["dimension_numbers"], (E4M3, E4M3), self.precisions[0], self.out_dtype)
-        return per_shard_dot(lhs, rhs, how)
+        formats, precision = (E4M3, E4M3), self.precisions[0]
+        if self._conv:
+            how = LocalConv(self._conv_params(precision), formats, self.power_of_two, np.dtype(self.out_dtype))
+            return per_shard_conv(lhs, rhs, how)
+        return per_shard_dot(lhs, rhs, self._dot(self.params["dimension_numbers"], formats, precision, self.out_dtype))
 
     def tangent(self, side, other, t, rest):
         return _tangent_product(self, side, t, other)
 
     def cotangent(self, side, other, aval, g, rest):
+        formats, precision = (self.gradient_format, E4M3), self.precisions[1]
+        if self._conv:
+            params = self._conv_params(precision)
+            how = LocalConv(params, formats, self.power_of_two, np.dtype(aval.dtype), side, tuple(aval.shape))
+            return per_shard_conv(g, other, how)
         lhs_ndim, rhs_ndim = _pair(side, aval.ndim, other.ndim)
         dims, order = _gradient_dims(self.params["dimension_numbers"], side, lhs_ndim, rhs_ndim)
-        how = self._how(dims, (self.gradient_format, E4M3), self.precisions[1], aval.dtype)
-        return lax.transpose(per_shard_dot(g, other, how), order)
+        return lax.transpose(per_shard_dot(g, other, self._dot(dims, formats, precision, aval.dtype)), order)
 
 
 # --- scales per shard -----------------------------------------------------------
