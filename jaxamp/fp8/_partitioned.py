@@ -1,4 +1,4 @@
-"""A float8 ``dot_general`` scaled per shard where XLA partitions it: tensorwise scaling on Auto meshes.
+"""Float8 products scaled per shard where XLA partitions them: tensorwise scaling on Auto meshes.
 
 On an Explicit mesh an array's type says how it is split, and `PerShard`
 gives each shard its own scale while tracing. On an Auto mesh (``jax.jit``
@@ -14,6 +14,10 @@ float8, rescales its partial product and, where the contraction is split over
 mesh axes (data parallelism's weight gradient, a row-parallel weight), sums
 the partial products over them: the all-reduce a bfloat16 step makes too.
 Unpartitioned (one device, or replicated operands) it is tensorwise scaling.
+`per_shard_conv` does the same for an ungrouped ``conv_general_dilated`` and
+its cotangents (JAX's transpose rules, run on each device's shards), its
+spatial dimensions kept whole. Both are built by `_partitioned_op` from a
+description of the op's dimensions as Shardy factors (`_Factors`).
 
 Each product quantises its own operands, so residuals are saved in the
 compute dtype (2 bytes per element; the rowwise and block recipes save theirs
