@@ -969,6 +969,29 @@ def register_custom_partitioning_batching(owns: Callable, rule: Callable) -> Non
         _CUSTOM_PARTITIONING_BATCHERS.append((owns, rule))
 
 
+def register_custom_partitioning_export_fallback(owns: Callable, fallback: Callable) -> None:
+    """Lower the `custom_partitioning` ops `owns` accepts as their whole-array function under `jax.export`.
+
+    JAX cannot serialize a custom partitioner (its callbacks live in this
+    process): an exported program raises "serialization of host_callbacks is
+    not yet implemented". The ops `owns(static_args)` accepts lower instead
+    as the function they wrap (what they compute unpartitioned), after
+    ``fallback(static_args)`` is called (to say so).
+    """
+    from jax._src.custom_partitioning import custom_partitioning_p
+    from jax._src.interpreters import mlir
+
+    partitioned = mlir._lowerings[custom_partitioning_p].rule
+
+    def lowering(ctx: Any, *args: Any, call: Any, static_args: Any, **params: Any) -> Any:
+        if owns(static_args) and getattr(ctx.module_context.lowering_parameters, "for_export", False):
+            fallback(static_args)
+            return mlir.lower_fun(_core.jaxpr_as_fun(call), multiple_results=True)(ctx, *args)
+        return partitioned(ctx, *args, call=call, static_args=static_args, **params)
+
+    mlir.register_lowering(custom_partitioning_p, lowering)
+
+
 def dot_general_batch_dims(ndims: tuple[int, int], mapped: tuple[Any, Any], dimension_numbers: Any) -> tuple[Any, int]:
     """``(dimension numbers, result's mapped dim)`` of a ``dot_general`` whose operands gained vmap's `mapped` dims."""
     from jax._src.lax.lax import _dot_general_batch_dim_nums

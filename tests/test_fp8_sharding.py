@@ -250,6 +250,27 @@ def test_auto_mesh_scales_each_device_apart():
     np.testing.assert_array_equal(sharded[:4], one_device[:4])  # the first shard's amax is the global one
 
 
+def test_an_exported_auto_mesh_step_takes_one_scale_per_tensor_and_says_so(fresh_warnings):
+    # jax.export cannot serialize a custom partitioner: the exported program
+    # computes what one device does (tensorwise), with one warning.
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 32)) / 6
+
+    def loss(w, x):
+        return jnp.sum((x @ w @ w).astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(jaxamp.amp(loss, compute_dtype=FP8)))
+    mesh = _mesh("auto")
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+        with pytest.warns(UserWarning, match="exported program .* one scale per tensor") as caught:
+            exported = jax.export.export(step)(w, xs)
+        got = exported.call(w, xs)
+    assert sum("exported program" in str(w.message) for w in caught) == 1
+    assert "CustomSPMDPartitioning" not in exported.mlir_module()
+    assert _relative_error(got, jax.grad(loss)(w, x)) < 0.25  # fp8's tolerance against float32 here
+
+
 def test_vmap_on_an_auto_mesh_scales_each_example_as_one_device_does():
     # Per-example gradients: each example gets its own scales (vmap's
     # semantics, as on one device), and each device scales its own examples.

@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _compat
+from ..transform._interpreter import warn_once
 from ._quantize import place, quantize_along
 
 __all__ = ["LocalConv", "LocalScaling", "axis_names", "free_dims", "per_shard_conv", "per_shard_dot"]
@@ -339,4 +340,21 @@ def _batched_conv(args: Sequence[Any], dims: Sequence[Any], how: LocalConv) -> t
 _compat.register_custom_partitioning_batching(
     owns=lambda static_args: len(static_args) == 1 and isinstance(static_args[0], LocalConv),
     rule=lambda args, dims, static_args: _batched_conv(args, dims, static_args[0]),
+)
+
+
+def _one_scale_per_tensor_when_exported(static_args: tuple) -> None:
+    warn_once(
+        ("fp8_exported_on_an_auto_mesh", ""),
+        "jaxamp fp8 mode: an exported program (jax.export) cannot carry the per-device scales of an Auto "
+        "mesh's float8 products (their partitioning runs in this process), so it takes one scale per tensor "
+        "(an amax all-reduce in front of each product on a mesh). Use an Explicit mesh, whose per-shard scales "
+        "are traced, to export them.",
+        UserWarning,
+    )
+
+
+_compat.register_custom_partitioning_export_fallback(
+    owns=lambda static_args: len(static_args) == 1 and isinstance(static_args[0], (LocalScaling, LocalConv)),
+    fallback=_one_scale_per_tensor_when_exported,
 )
