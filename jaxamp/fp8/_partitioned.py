@@ -40,9 +40,9 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ..transform._interpreter import warn_once
-from ._quantize import place, quantize_along
+from ._quantize import place, quantize, quantize_along
 
-__all__ = ["LocalConv", "LocalScaling", "axis_names", "free_dims", "per_shard_conv", "per_shard_dot"]
+__all__ = ["LocalConv", "LocalScaling", "axis_names", "free_dims", "per_shard_conv", "per_shard_dot", "spec_of"]
 
 _F32 = np.dtype(np.float32)
 
@@ -87,14 +87,25 @@ def _local_dot(lhs: Any, rhs: Any, how: LocalScaling, summed_over: tuple, mesh: 
     )
     for scale, own, position in zip((s_lhs, s_rhs), how.own_scales, to_out):
         out = out * place(scale, sorted(own), position, out.shape)
+    return _summed(out, summed_over, how.out_dtype)
+
+
+def _summed(out: Any, summed_over: tuple, dtype: Any) -> Any:
+    """One device's rescaled partial result, summed over the mesh axes that split the contraction, in `dtype`."""
     if summed_over:
         out = lax.psum(out, summed_over)
-    return out.astype(how.out_dtype)
+    return out.astype(dtype)
 
 
 def free_dims(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
     """A ``dot_general`` operand's dimensions it neither contracts nor batches, in order."""
     return [d for d in range(ndim) if d not in (*contracting, *batch)]
+
+
+def spec_of(aval: Any) -> tuple:
+    """`aval`'s `PartitionSpec` entries, one per dimension (None where the spec stops short)."""
+    spec = tuple(aval.sharding.spec)
+    return spec + (None,) * (len(aval.shape) - len(spec))
 
 
 def axis_names(entry: Any) -> tuple:
@@ -148,8 +159,7 @@ def _layout(factors: _Factors, operand_shapes: Sequence[Any]) -> tuple[list, lis
     axes_of: dict[str, tuple] = {}
     taken: set = set()
     for shape, names in zip(operand_shapes, factors.operands):
-        spec = [*shape.sharding.spec, *(None,) * (len(shape.shape) - len(shape.sharding.spec))]
-        for factor, entry in zip(names, spec):
+        for factor, entry in zip(names, spec_of(shape)):
             if factor in axes_of:
                 continue
             axes = () if factor in factors.replicated or taken.intersection(axis_names(entry)) else axis_names(entry)
@@ -235,7 +245,8 @@ class LocalConv(NamedTuple):
 
     Attributes:
         params: the ``conv_general_dilated``'s parameters, as sorted items
-            (precision included, `Fp8Recipe.accumulation_precisions`).
+            (precision included, `Fp8Recipe.accumulation_precisions`;
+            accumulating in float32).
         formats: the float8 formats of the two operands.
         power_of_two: round scales up to powers of two.
         out_dtype: the result's dtype.
@@ -280,10 +291,10 @@ def _conv_factors(how: LocalConv, lhs_ndim: int, rhs_ndim: int) -> _Factors:
 
 def _local_conv(a: Any, b: Any, how: LocalConv, summed_over: tuple, mesh: Any, result_spec: Any) -> Any:
     """One device's convolution (or cotangent): its shards quantised with their own scales, summed as `_local_dot`."""
-    q_a, s_a = quantize_along(a, how.formats[0], range(a.ndim), how.power_of_two)
-    q_b, s_b = quantize_along(b, how.formats[1], range(b.ndim), how.power_of_two)
+    q_a, s_a = quantize(a, how.formats[0], how.power_of_two)
+    q_b, s_b = quantize(b, how.formats[1], how.power_of_two)
     conv = _compat.primitives_by_name()["conv_general_dilated"]
-    params = dict(how.params, preferred_element_type=_F32)
+    params = dict(how.params)
     if not how.cotangent_of:
         out = conv.bind(q_a, q_b, **params)
     else:
@@ -296,10 +307,7 @@ def _local_conv(a: Any, b: Any, how: LocalConv, summed_over: tuple, mesh: Any, r
         pair = (side, q_b) if how.cotangent_of == "lhs" else (q_b, side)
         found = _compat.matmul_cotangents(conv, q_a, *pair, (), params, _F32, only=how.cotangent_of)
         out = found[0 if how.cotangent_of == "lhs" else 1]
-    out = out * (s_a * s_b)
-    if summed_over:
-        out = lax.psum(out, summed_over)
-    return out.astype(how.out_dtype)
+    return _summed(out * (s_a * s_b), summed_over, how.out_dtype)
 
 
 per_shard_conv = _partitioned_op(_conv_factors, _local_conv)

@@ -15,7 +15,8 @@ straight-through estimator); gradients run in float8, as each recipe says.
 * `PerShard`: tensorwise with a scale per shard of the dimensions an Explicit
   mesh splits and the matmul does not contract; ``dot_general``.
 * `AutoPerShard`: tensorwise with a scale per device's shard on an Auto mesh,
-  decided when XLA partitions the program (`jaxamp.fp8._partitioned`); ``dot_general``.
+  decided when XLA partitions the program (`jaxamp.fp8._partitioned`);
+  ``dot_general`` and ungrouped convolutions.
 * `BlockScaled`: MXFP8 and Transformer Engine's blockwise recipe; ``dot_general``.
 """
 
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ._differentiable import OTHER_SIDE
-from ._partitioned import LocalConv, LocalScaling, axis_names, free_dims, per_shard_conv, per_shard_dot
+from ._partitioned import LocalConv, LocalScaling, axis_names, free_dims, per_shard_conv, per_shard_dot, spec_of
 from ._quantize import (
     E4M3,
     E5M2,
@@ -478,9 +479,7 @@ class AutoPerShard:
         return LocalScaling(dimension_numbers, precision, formats, self.power_of_two, np.dtype(out_dtype))
 
     def _conv_params(self, precision: Any) -> tuple:
-        params = _accumulating(self.params, precision)
-        params.pop("preferred_element_type")
-        return tuple(sorted(params.items()))
+        return tuple(sorted(_accumulating(self.params, precision).items()))
 
     def quantize(self, side, x, rest):
         # Each product quantises its own operands, per shard: keep the operand.
@@ -510,11 +509,6 @@ class AutoPerShard:
 # --- scales per shard -----------------------------------------------------------
 
 
-def _spec_of(aval: Any) -> tuple:
-    spec = tuple(aval.sharding.spec)
-    return spec + (None,) * (aval.ndim - len(spec))
-
-
 def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
     """The dims of a ``dot_general``'s operands that `PerShard` scales per shard.
 
@@ -528,7 +522,7 @@ def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
 
     def blocks(x, contracting, batch, other, other_contracting):
-        other_spec = _spec_of(jax.typeof(other))
+        other_spec = spec_of(jax.typeof(other))
         taken = {
             name for d, entry in enumerate(other_spec) if d not in other_contracting for name in axis_names(entry)
         }
@@ -555,7 +549,7 @@ def _split_layout(aval: Any, blocks: dict, spec: Sequence[Any] | None = None) ->
     `spec`, by default `aval`'s), and, per original dim, where it (its
     remainder) and its shard dim land.
     """
-    spec = _spec_of(aval) if spec is None else spec
+    spec = spec_of(aval) if spec is None else spec
     new_shape, new_spec, at, block_at = [], [], {}, {}
     for dim, size in enumerate(aval.shape):
         if dim in blocks:
@@ -629,7 +623,7 @@ class PerShard:
             other_axes = {n for _, entry in blocks[OTHER_SIDE[side]].values() for n in axis_names(entry)}
             self.gathered_spec[side] = [
                 _without(entry, other_axes) if d in contracting[side] else entry
-                for d, entry in enumerate(_spec_of(aval))
+                for d, entry in enumerate(spec_of(aval))
             ]
         self.own_split = {side: _split_layout(self.avals[side], blocks[side]) for side in blocks}
         self.split = {
@@ -668,7 +662,7 @@ class PerShard:
                 position += 1
         self.result_order = order
         self.out_shape, self.out_spec = _product_layout(
-            (lhs_aval.shape, _spec_of(lhs_aval)), (rhs_aval.shape, _spec_of(rhs_aval)), params["dimension_numbers"]
+            (lhs_aval.shape, spec_of(lhs_aval)), (rhs_aval.shape, spec_of(rhs_aval)), params["dimension_numbers"]
         )
         blocked_shape, blocked_spec = _product_layout(
             self._blocked_layout("lhs"), self._blocked_layout("rhs"), self.blocked_params["dimension_numbers"]
@@ -695,8 +689,8 @@ class PerShard:
     def _merge(self, side, x):
         aval = self.avals[side]
         x = lax.reshape(x, aval.shape, out_sharding=P(*self.gathered_spec[side]))
-        if self.gathered_spec[side] != list(_spec_of(aval)):
-            x = jax.sharding.reshard(x, P(*_spec_of(aval)))
+        if self.gathered_spec[side] != list(spec_of(aval)):
+            x = jax.sharding.reshard(x, P(*spec_of(aval)))
         return x
 
     def quantize(self, side, x, rest):
