@@ -14,7 +14,8 @@ float16 train step is compiled
 * with and without ``amp(..., float32_gradient_reductions=True)``: the
   all-reduces' operand dtypes and bytes;
 * in fp8 mode against bf16 mode (no scaler), under `jit` over an Explicit and
-  an Auto mesh and in `shard_map`: what the float8 scales' amaxes add.
+  an Auto mesh and in `shard_map`: what the float8 scales' amaxes add; and
+  the same under `jit` for a step of two convolutions.
 
 Each row lists the all-reduces of the compiled program with their operands'
 types, their count and their bytes.
@@ -35,7 +36,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxamp
 
-__all__ = ["all_reduces", "measure", "measure_fp8", "main"]
+__all__ = ["all_reduces", "measure", "measure_fp8", "measure_fp8_convolutions", "main"]
 
 D, H, OUT, BATCH, DEVICES = 256, 1024, 256, 64, 4
 _BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
@@ -128,13 +129,17 @@ def _compiled_all_reduces(axis_type: AxisType, steps: dict) -> dict:
         x = jax.device_put(jnp.ones((BATCH, D)), NamedSharding(mesh, P("dp")))
         state = jaxamp.DynamicScalerState()
         for key, make in steps.items():
-            reduces = all_reduces(make(mesh).lower(params, x, state).compile().as_text())
-            found[key] = {
-                "all-reduces": len(reduces),
-                "bytes": sum(size for _, size in reduces),
-                "operands": "; ".join(types for types, _ in reduces),
-            }
+            found[key] = _summary(make(mesh).lower(params, x, state).compile().as_text())
     return found
+
+
+def _summary(hlo: str) -> dict:
+    reduces = all_reduces(hlo)
+    return {
+        "all-reduces": len(reduces),
+        "bytes": sum(size for _, size in reduces),
+        "operands": "; ".join(types for types, _ in reduces),
+    }
 
 
 def measure() -> list[dict]:
@@ -163,6 +168,33 @@ def measure_fp8() -> list[dict]:
     return rows
 
 
+def _conv_loss(params, x):
+    dims = ("NHWC", "HWIO", "NHWC")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(x, params["k1"], (1, 1), "SAME", dimension_numbers=dims))
+    h = jax.lax.conv_general_dilated(h, params["k2"], (1, 1), "SAME", dimension_numbers=dims)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+def measure_fp8_convolutions() -> list[dict]:
+    """`measure_fp8` for a data-parallel step of two 3x3 convolutions (16 -> 32 -> 32 features, 16x16 images)."""
+    k1, k2, kx = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"k1": jax.random.normal(k1, (3, 3, 16, 32)) / 12, "k2": jax.random.normal(k2, (3, 3, 32, 32)) / 17}
+    x = jax.random.normal(kx, (BATCH, 16, 16, 16))
+    rows = []
+    for axis_type in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((DEVICES,), ("dp",), axis_types=(axis_type,), devices=jax.devices()[:DEVICES])
+        with jax.set_mesh(mesh):
+            # Placed: JAX's convolution transpose cannot type an unplaced
+            # kernel's gradient beside a split batch on an Explicit mesh.
+            placed = jax.device_put(params, NamedSharding(mesh, P()))
+            batch = jax.device_put(x, NamedSharding(mesh, P("dp")))
+            for dtype in ("bf16", "fp8"):
+                step = jax.jit(jax.grad(jaxamp.amp(_conv_loss, compute_dtype=dtype)))
+                figures = _summary(step.lower(placed, batch).compile().as_text())
+                rows.append({"mode": f"jit ({axis_type.name}), convolutions", "compute dtype": dtype, **figures})
+    return rows
+
+
 def main() -> list[dict]:
     rows = measure()
     print(f"JAX {jax.__version__}, {DEVICES} devices, f16 MLP {D}x{H}x{OUT}, batch {BATCH}")
@@ -173,7 +205,7 @@ def main() -> list[dict]:
             f"| {r['mode']} | {r['loss scaler']} | {r['float32_gradient_reductions']} | "
             f"{r['all-reduces']} | {r['bytes']:,} | {r['operands']} |"
         )
-    fp8_rows = measure_fp8()
+    fp8_rows = measure_fp8() + measure_fp8_convolutions()
     print("\n| mode | compute dtype | all-reduces | bytes | operands |")
     print("|---|---|---|---|---|")
     for r in fp8_rows:

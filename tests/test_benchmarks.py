@@ -258,10 +258,14 @@ def test_collectives_the_loss_scaler_adds_one_scalar_all_reduce_at_most():
 def test_collectives_fp8_adds_no_all_reduce_on_any_mesh():
     # Per-shard scales: while tracing on an Explicit mesh, when XLA partitions
     # the step on an Auto one (before: 3 against 1), per device in shard_map.
+    # Convolutions: each product a shard_map on an Explicit mesh (before: 5
+    # against 1), custom_partitioning on an Auto one.
     from benchmarks import collectives
 
-    rows = {(r["mode"], r["compute dtype"]): r["all-reduces"] for r in collectives.measure_fp8()}
-    for mode in ("jit (Explicit)", "jit (Auto)", "shard_map (Auto)"):
+    measured = collectives.measure_fp8() + collectives.measure_fp8_convolutions()
+    rows = {(r["mode"], r["compute dtype"]): r["all-reduces"] for r in measured}
+    modes = ("jit (Explicit)", "jit (Auto)", "shard_map (Auto)")
+    for mode in (*modes, "jit (Explicit), convolutions", "jit (Auto), convolutions"):
         assert rows[mode, "fp8"] == rows[mode, "bf16"] == 1, rows
 
 

@@ -3,10 +3,12 @@
 import inspect
 import json
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp import amp, amp_stop, explain, find_nonfinite
@@ -129,6 +131,34 @@ def test_find_nonfinite_looks_inside_scan_and_jit_bodies():
 
     found = find_nonfinite(f)(jnp.full((4, 4), 300.0), jnp.full((2, 4), 1.0))
     assert found is not None and found.primitive == "dot_general" and found.scope == "inner"
+
+
+def _per_device_tanh(x, w):
+    return jnp.tanh(x @ w)
+
+
+def test_find_nonfinite_says_it_cannot_look_inside_a_shard_map_body(fresh_warnings):
+    # A shard_map body runs traced (per device), so its equations' values
+    # cannot be checked one by one: find_nonfinite says so once, naming the
+    # shard_map, and finds an overflow at the first equation after the body
+    # (it used to fail with JAX's TracerBoolConversionError).
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4])
+
+    def f(w, x):
+        h = jax.shard_map(_per_device_tanh, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))(x, w)
+        return jnp.sum(h @ w)
+
+    lines, first = inspect.getsourcelines(f)
+    shard_map_line, matmul_line = first + 1, first + 2
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.full((8, 4), 300.0), jax.sharding.NamedSharding(mesh, P("data")))
+        with pytest.warns(UserWarning, match=rf"shard_map body at test_diagnostics.py:{shard_map_line} .*not checked"):
+            assert find_nonfinite(f)(jnp.full((4, 4), 300.0), x) is None  # tanh hides the overflow inside
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = find_nonfinite(f)(jnp.full((4, 4), 3e4), x)  # 4 * 3e4 overflows float16 after the body
+    assert not [w for w in caught if "shard_map body" in str(w.message)]  # said once
+    assert found is not None and found.primitive == "dot_general" and found.line == matmul_line
 
 
 def test_diagnostics_validate_their_input():

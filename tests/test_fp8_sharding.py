@@ -361,3 +361,110 @@ def test_an_fsdp_weight_is_gathered_in_float8_after_one_agreed_scale():
     ]  # fmt: skip
     assert len(gathered) >= 2, [e.primitive.name for e in iter_eqns(jaxpr)]
     assert _all_reduces(hlo) == 2, hlo
+
+
+def _replicated(mesh, tree):
+    return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P()))
+
+
+def test_explicit_mesh_convolutions_scale_per_device_with_float8_residuals():
+    # The data-parallel two-convolution step on an Explicit mesh: 5
+    # all-reduces with one scale per tensor (before), 1 (the kernels'
+    # gradients) as in bf16 with each product a shard_map over the devices.
+    # Residuals stay float8, a scale per device's block.
+    params, x = _conv_problem()
+    want = jax.grad(_conv_net)(params, x)
+    want_value, want_tangent = jax.jvp(lambda p: _conv_net(p, x), (params,), (params,))
+    mesh = _mesh("explicit")
+    loss = jaxamp.amp(_conv_net, compute_dtype=FP8)
+    counts = {}
+    with jax.set_mesh(mesh):
+        # JAX needs the kernels placed: its convolution transpose cannot type an
+        # unplaced kernel's gradient beside a split batch (in any precision).
+        ps, xs = _replicated(mesh, params), jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+        for compute_dtype in ("bf16", FP8):
+            step = jax.jit(jax.grad(jaxamp.amp(_conv_net, compute_dtype=compute_dtype)))
+            counts[str(compute_dtype)] = _all_reduces(step.lower(ps, xs).compile().as_text())
+            grads = step(ps, xs)
+            shardings = {k: jax.typeof(v).sharding.spec for k, v in grads.items()}
+            counts[str(compute_dtype) + " shardings"] = shardings
+        jaxpr = jax.make_jaxpr(step)(ps, xs)
+        residuals = _compat_saved_residuals(loss, ps, xs)
+        value, tangent = jax.jit(lambda p: jax.jvp(lambda p: loss(p, xs), (p,), (p,)))(ps)
+        report = str(jaxamp.explain(_conv_net, compute_dtype=FP8)(ps, xs))
+    assert counts[str(FP8)] == counts["bf16"] == 1, counts
+    assert counts[str(FP8) + " shardings"] == counts["bf16 shardings"], counts  # amp keeps JAX's shardings
+    for name in want:  # the float32 tolerance of the other per-shard tests
+        assert _relative_error(grads[name], want[name]) < 0.25, name
+    assert abs(float(tangent) - float(want_tangent)) < 0.1 * abs(float(want_tangent))
+    convs = float_operand_dtypes(jaxpr, ("conv_general_dilated",))
+    assert len(convs) == 5 and all(d in (E4M3, E5M2) for _, ds in convs for d in ds), convs
+    assert sum(e.primitive.name == "shard_map" for e in iter_eqns(jaxpr)) >= 5
+    saved = [(a.shape, a.dtype) for a, _ in residuals]
+    assert ((16, 8, 8, 16), E4M3) in saved and ((16, 8, 8, 32), E4M3) in saved, saved
+    assert ((2,), jnp.float32) in saved, saved  # a scale per device along "data"
+    assert report.count("a scale per device's shard along data") == 2, report
+
+
+def _compat_saved_residuals(fn, *args):
+    from jaxamp import _compat
+
+    return _compat.saved_residuals(fn, *args)
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_a_convolution_scales_each_device_apart(mode):
+    # A 1x1 convolution with the identity kernel: examples of about 1 on the
+    # first shard and of 2**-16 on the others. One scale for the tensor puts
+    # the small ones among e4m3's subnormals; a scale per device keeps their 3
+    # mantissa bits.
+    x = np.ones((8, 2, 2, 16), np.float32) * (1.0 + np.arange(16) / 16)
+    x[2:] *= 2.0**-16
+    kernel = np.eye(16, dtype=np.float32)[None, None]
+
+    def conv(x, kernel):
+        return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    amp_conv = jax.jit(jaxamp.amp(conv, compute_dtype=FP8))
+    one_device = np.asarray(amp_conv(x, kernel), np.float32)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(_mesh(mode).axis_types[0],), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+        sharded = np.asarray(amp_conv(xs, _replicated(mesh, kernel)), np.float32)
+
+    def error(got):
+        return np.abs(got[2:] - x[2:]).max() / np.abs(x[2:]).max()
+
+    assert error(sharded) <= 2.0**-4 < error(one_device), (error(sharded), error(one_device))
+    np.testing.assert_array_equal(sharded[:2], one_device[:2])  # the first shard's amax is the global one
+
+
+def _grouped_conv_net(params, x):
+    dims = ("NHWC", "HWIO", "NHWC")
+    h = jax.nn.relu(jax.lax.conv_general_dilated(x, params["k1"], (1, 1), "SAME", dimension_numbers=dims))
+    h = jax.lax.conv_general_dilated(h, params["k2"], (1, 1), "SAME", dimension_numbers=dims, feature_group_count=2)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_grouped_convolutions_scale_per_device_with_their_features_whole(mode):
+    # Feature groups: the batch is split, each group's features stay whole.
+    # On this 2x2 mesh (batch over "data", "model" unused) XLA's own
+    # partitioning of the grouped kernel gradient is wrong on JAX 0.10-0.12's
+    # CPU backend (relative error 1.0 in float32 and bf16; measured, not
+    # asserted); the per-device products compute it themselves.
+    params, x = _conv_problem()
+    params = dict(params, k2=jax.random.normal(jax.random.key(3), (3, 3, 16, 32)) / 12)
+    want = jax.grad(_grouped_conv_net)(params, x)
+    mesh = _mesh(mode)
+    with jax.set_mesh(mesh):
+        ps, xs = _replicated(mesh, params), jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+        step = jax.jit(jax.grad(jaxamp.amp(_grouped_conv_net, compute_dtype=FP8)))
+        grads = step(ps, xs)
+        jaxpr = jax.make_jaxpr(step)(ps, xs)
+        all_reduces = _all_reduces(step.lower(ps, xs).compile().as_text())
+    for name in want:
+        assert _relative_error(grads[name], want[name]) < 0.25, name
+    per_device = {"auto": "custom_partitioning", "explicit": "shard_map"}[mode]
+    assert sum(e.primitive.name == per_device for e in iter_eqns(jaxpr)) >= 5
+    assert all_reduces == 1  # the kernels' gradients

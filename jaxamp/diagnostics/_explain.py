@@ -22,9 +22,9 @@ import numpy as np
 
 from .. import _compat
 from .._dtypes import dtype_short_name, is_castable
-from .._jaxpr import MATMUL_NAMES, bodies, equation_flops, matmuls_in
+from .._jaxpr import MATMUL_NAMES, bodies, equation_flops, matmuls_in, source_label
 from .._options import AmpOptions
-from ..transform._interpreter import EquationEvent
+from ..transform._interpreter import EquationEvent, warn_once
 
 __all__ = ["AmpReport", "AmpRow", "NonFiniteReport", "explain", "find_nonfinite"]
 
@@ -401,8 +401,26 @@ def _range(x: Any) -> tuple[float, float] | None:
 
 
 def _check_event(event: EquationEvent) -> None:
-    if any(not bool(jnp.all(jnp.isfinite(x))) for x in _float_values(event.outputs)):
+    outputs = _float_values(event.outputs)
+    if any(isinstance(x, jax.core.Tracer) for x in outputs):
+        _say_body_unchecked(event)
+        return
+    if any(not bool(jnp.all(jnp.isfinite(x))) for x in outputs):
         raise _FoundNonFinite(event)
+
+
+def _say_body_unchecked(event: EquationEvent) -> None:
+    """Say once per body that its equations run traced (a `shard_map` body, run per device), so are not checked."""
+    traced = next((site for site in event.call_sites if site.primitive is _compat.shard_map_p), None)
+    where = source_label(traced) if traced is not None else None
+    what = f"the shard_map body at {where}" if where else "a body JAX traces rather than runs (a shard_map's)"
+    warn_once(
+        ("find_nonfinite_traced_body", where or ""),
+        f"jaxamp.find_nonfinite: {what} runs traced, once for every device, so its equations are not checked "
+        "one by one: a non-finite value made there is reported at the first equation after it whose output is "
+        "not finite. Call find_nonfinite on the body's function, with one device's arguments, to look inside.",
+        UserWarning,
+    )
 
 
 def find_nonfinite(fn: Callable, **amp_options: Any) -> Callable[..., NonFiniteReport | None]:
@@ -410,7 +428,9 @@ def find_nonfinite(fn: Callable, **amp_options: Any) -> Callable[..., NonFiniteR
 
     Runs eagerly, equation by equation (bodies of jit, scan, while, cond,
     remat and custom rules included), so an overflow is caught where it starts
-    even when a later op hides it (``tanh(inf) == 1``).
+    even when a later op hides it (``tanh(inf) == 1``). A `shard_map` body
+    runs traced, so its equations are not checked (said once, naming it): a
+    non-finite value made there is found at the first equation after it.
 
     Args:
         fn: the function, as you would pass it to `amp`.

@@ -55,6 +55,7 @@ from ..transform._interpreter import HANDLERS, EquationRewrite, differentiation_
 from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, use_compute_precision
 from ._differentiable import differentiable_matmul, tangent_product
+from ._partitioned import explicit_conv_layouts
 from ._quantize import E4M3, quantize
 from ._recipe import BLOCK_SCALINGS, Fp8Recipe
 from ._schemes import (
@@ -64,6 +65,7 @@ from ._schemes import (
     Delayed,
     PerGroup,
     PerShard,
+    PerShardConv,
     Rowwise,
     Tensorwise,
     shard_axes,
@@ -248,6 +250,10 @@ class Fp8MatmulRule:
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))
             scheme = PerShard(bind_params, *avals, *shards, compute_dtype, power_of_two, gradient, precisions)
+        elif _splits_per_device(eqn) and (layouts := _explicit_conv_layouts(eqn, bind_params, lhs, rhs)):
+            scheme = PerShardConv(
+                eqn.primitive, bind_params, compute_dtype, layouts, power_of_two, gradient, precisions
+            )
         elif _splits_per_device(eqn) and _compat.on_auto_mesh(lhs, rhs):
             scheme = AutoPerShard(eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
         else:
@@ -267,6 +273,8 @@ class Fp8MatmulRule:
             _warn_fallback(recipe.scaling, name, unblocked)
         if isinstance(scheme, PerShard):
             description += f", a scale per shard along {', '.join(shard_axes(shards))}"
+        elif isinstance(scheme, PerShardConv):
+            description += f", a scale per device's shard along {', '.join(layouts.split_axes())}"
         elif isinstance(scheme, AutoPerShard):
             description += ", a scale per device's shard as XLA splits the operands (an Auto mesh; saved in bf16)"
         linear = linear_operands(eqn)
@@ -348,10 +356,18 @@ def _differentiated_twice() -> str:
 
 
 def _splits_per_device(eqn: Any) -> bool:
-    """Whether `AutoPerShard` takes `eqn`: a ``dot_general``, or an ungrouped convolution."""
+    """Whether `AutoPerShard` or `PerShardConv` may take `eqn`: a ``dot_general``, or a convolution without
+    batch groups."""
     if eqn.primitive.name == "conv_general_dilated":
-        return eqn.params["feature_group_count"] == 1 and eqn.params["batch_group_count"] == 1
+        return eqn.params["batch_group_count"] == 1
     return eqn.primitive.name == "dot_general"
+
+
+def _explicit_conv_layouts(eqn: Any, params: dict, lhs: Any, rhs: Any) -> Any:
+    """`explicit_conv_layouts` of a convolution equation (None for a ``dot_general``: `PerShard` has those)."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return None
+    return explicit_conv_layouts(params, lhs, rhs, eqn.outvars[0].aval)
 
 
 def _delayed_history(name: str, length: int) -> tuple[Any, str]:

@@ -42,7 +42,11 @@ from .. import _compat
 from ..transform._interpreter import warn_once
 from ._quantize import place, quantize, quantize_along
 
-__all__ = ["LocalConv", "LocalScaling", "axis_names", "free_dims", "per_shard_conv", "per_shard_dot", "spec_of"]
+__all__ = [
+    "ConvShardLayouts", "LocalConv", "LocalScaling", "ShardLayout", "axis_names", "conv_per_device",
+    "dequantize_per_device", "explicit_conv_layouts", "float8_conv", "free_dims", "per_shard_conv", "per_shard_dot",
+    "quantize_per_device", "spec_of",
+]
 
 _F32 = np.dtype(np.float32)
 
@@ -268,7 +272,11 @@ class LocalConv(NamedTuple):
 
 
 def _conv_factors(how: LocalConv, lhs_ndim: int, rhs_ndim: int) -> _Factors:
-    """Batch, input and output features shared as the convolution shares them; spatial dimensions whole."""
+    """Batch, input and output features shared as the convolution shares them; spatial dimensions whole.
+
+    A convolution with feature groups keeps its features whole too (its batch
+    may be split); one with batch groups is not taken (`_matmul`).
+    """
     lhs_spec, rhs_spec, out_spec = dict(how.params)["dimension_numbers"]
     spatial = len(lhs_spec) - 2
 
@@ -282,36 +290,162 @@ def _conv_factors(how: LocalConv, lhs_ndim: int, rhs_ndim: int) -> _Factors:
     rhs = laid_out(rhs_spec, ["o", "c", *(f"k{i}" for i in range(spatial))])
     out = laid_out(out_spec, ["n", "o", *(f"t{i}" for i in range(spatial))])
     whole = tuple(f"{kind}{i}" for kind in "skt" for i in range(spatial))
+    if dict(how.params)["feature_group_count"] > 1:  # a split of the features would cut across groups
+        whole += ("c", "o")
     if how.cotangent_of == "lhs":
-        return _Factors((out, rhs), lhs, ("o",), whole)
-    if how.cotangent_of == "rhs":
-        return _Factors((out, lhs), rhs, ("n",), whole)
-    return _Factors((lhs, rhs), out, ("c",), whole)
+        operands, result, reduced = (out, rhs), lhs, "o"
+    elif how.cotangent_of == "rhs":
+        operands, result, reduced = (out, lhs), rhs, "n"
+    else:
+        operands, result, reduced = (lhs, rhs), out, "c"
+    return _Factors(operands, result, () if reduced in whole else (reduced,), whole)
 
 
 def _local_conv(a: Any, b: Any, how: LocalConv, summed_over: tuple, mesh: Any, result_spec: Any) -> Any:
     """One device's convolution (or cotangent): its shards quantised with their own scales, summed as `_local_dot`."""
     q_a, s_a = quantize(a, how.formats[0], how.power_of_two)
     q_b, s_b = quantize(b, how.formats[1], how.power_of_two)
+    return _summed(float8_conv(q_a, q_b, how, mesh, result_spec) * (s_a * s_b), summed_over, how.out_dtype)
+
+
+def float8_conv(q_a: Any, q_b: Any, how: LocalConv, mesh: Any = None, result_spec: Any = None) -> Any:
+    """The unscaled float8 convolution (or `how.cotangent_of`'s cotangent) of one device's blocks, in float32.
+
+    `mesh` and `result_spec` (None: unpartitioned) give the device's block of
+    a cotangent's whole `how.result_shape`.
+    """
     conv = _compat.primitives_by_name()["conv_general_dilated"]
     params = dict(how.params)
+    if params.get("out_sharding") is not None:  # the whole result's: each device computes a block
+        params["out_sharding"] = None
     if not how.cotangent_of:
-        out = conv.bind(q_a, q_b, **params)
-    else:
-        shape = list(how.result_shape)
-        if mesh is not None:  # this device's block of the side's shape
-            for dim, entry in enumerate(result_spec):
-                for name in axis_names(entry):
-                    shape[dim] //= mesh.shape[name]
-        side = _compat.shaped_array(shape, how.out_dtype)
-        pair = (side, q_b) if how.cotangent_of == "lhs" else (q_b, side)
-        found = _compat.matmul_cotangents(conv, q_a, *pair, (), params, _F32, only=how.cotangent_of)
-        out = found[0 if how.cotangent_of == "lhs" else 1]
-    return _summed(out * (s_a * s_b), summed_over, how.out_dtype)
+        return conv.bind(q_a, q_b, **params)
+    shape = list(how.result_shape)
+    if mesh is not None:
+        for dim, entry in enumerate(result_spec):
+            for name in axis_names(entry):
+                shape[dim] //= mesh.shape[name]
+    side = _compat.shaped_array(shape, how.out_dtype)
+    pair = (side, q_b) if how.cotangent_of == "lhs" else (q_b, side)
+    found = _compat.matmul_cotangents(conv, q_a, *pair, (), params, _F32, only=how.cotangent_of)
+    return found[0 if how.cotangent_of == "lhs" else 1]
 
 
 per_shard_conv = _partitioned_op(_conv_factors, _local_conv)
 """``per_shard_conv(lhs, rhs, how)``: ``conv_general_dilated`` (or a cotangent) in float8, per device's shards."""
+
+
+# --- convolutions on an Explicit mesh ---------------------------------------------
+# There types say how each operand is split, so `jax.shard_map` can run each
+# device's blocks while tracing, and a residual quantised per device keeps its
+# scales: the gradient products see the same blocks (`explicit_conv_layouts`
+# takes only layouts where nothing is resplit).
+
+
+class ShardLayout(NamedTuple):
+    """How one product runs per device on an Explicit mesh: its operands' and result's specs, the axes it sums over."""
+
+    mesh: Any
+    operands: tuple[P, P]
+    result: P
+    summed_over: tuple
+
+
+class ConvShardLayouts(NamedTuple):
+    """`ShardLayout`s of a convolution's three products: forward, and the left and right cotangents."""
+
+    forward: ShardLayout
+    lhs: ShardLayout
+    rhs: ShardLayout
+
+    def operand(self, side: str) -> P:
+        """How `side`'s operand (``"lhs"`` or ``"rhs"``) is split."""
+        return self.forward.operands[0 if side == "lhs" else 1]
+
+    def split_axes(self) -> list[str]:
+        """The mesh axes that split the operands, for diagnostics."""
+        return sorted({str(name) for spec in self.forward.operands for entry in spec for name in axis_names(entry)})
+
+
+def explicit_conv_layouts(params: dict, lhs: Any, rhs: Any, out: Any) -> ConvShardLayouts | None:
+    """The per-device layouts of a convolution of `lhs` and `rhs` (arrays) into `out` (a type), or None.
+
+    None unless an operand is split over an Explicit mesh whose axes are all
+    Explicit (outside `shard_map`), and each of the three products takes its
+    operands as they are split and gives its result as the types say (the
+    cotangent split as `out`): then no residual's blocks change between the
+    forward product and the gradients. Otherwise the convolution keeps one
+    scale per tensor.
+    """
+    if _compat.manual_axes() or not (_compat.explicit_shards(lhs) or _compat.explicit_shards(rhs)):
+        return None
+    lhs, rhs = jax.typeof(lhs), jax.typeof(rhs)
+    meshes = {m for m in (lhs.sharding.mesh, rhs.sharding.mesh, out.sharding.mesh) if not m.empty}
+    if len(meshes) != 1:
+        return None
+    (mesh,) = meshes
+    if any(kind != jax.sharding.AxisType.Explicit for kind in mesh.axis_types):
+        return None
+    by_name = dict(params)
+
+    def product(cotangent_of: str, operands: Sequence[Any], result: Any) -> ShardLayout | None:
+        how = LocalConv(tuple(sorted(by_name.items())), (None, None), False, None, cotangent_of)
+        factors = _conv_factors(how, *(len(a.shape) for a in operands))
+        specs, result_spec, summed_over = _layout(factors, operands)
+        if [tuple(s) for s in specs] != [spec_of(a) for a in operands] or tuple(result_spec) != spec_of(result):
+            return None
+        return ShardLayout(mesh, tuple(P(*s) for s in specs), P(*result_spec), summed_over)
+
+    found = product("", (lhs, rhs), out), product("lhs", (out, rhs), lhs), product("rhs", (out, lhs), rhs)
+    return None if None in found else ConvShardLayouts(*found)
+
+
+def _scale_spec(spec: P) -> P:
+    """The spec of one scale per device's block of an array split as `spec`."""
+    return P(_entry([name for entry in spec for name in axis_names(entry)]))
+
+
+def quantize_per_device(x: Any, spec: P, mesh: Any, fmt: Any, power_of_two: bool) -> tuple[Any, Any]:
+    """`quantize` on each device's block of `x` (split as `spec`): ``(q, one scale per block)``."""
+
+    def block(x: Any) -> tuple[Any, Any]:
+        q, scale = quantize(x, fmt, power_of_two)
+        return q, lax.expand_dims(scale, (0,))
+
+    return jax.shard_map(block, mesh=mesh, in_specs=(spec,), out_specs=(spec, _scale_spec(spec)))(x)
+
+
+def dequantize_per_device(residual: tuple[Any, Any], spec: P, mesh: Any) -> Any:
+    """`quantize_per_device`'s result back in float32."""
+
+    def block(q: Any, scale: Any) -> Any:
+        return lax.convert_element_type(q, _F32) * scale[0]
+
+    return jax.shard_map(block, mesh=mesh, in_specs=(spec, _scale_spec(spec)), out_specs=spec)(*residual)
+
+
+def conv_per_device(a: Any, b: tuple[Any, Any], how: LocalConv, layout: ShardLayout) -> Any:
+    """`float8_conv` of `a` and `b` per device, each device's product rescaled and summed as `_local_dot`.
+
+    `b` is a `quantize_per_device` result; `a` is one too, or (a cotangent)
+    an array each device quantises to ``how.formats[0]`` itself.
+    """
+    specs = layout.operands
+    # Each device's product varies over every axis that splits an operand (those
+    # it sums over included), and the primitives want their operands typed alike.
+    split_over = tuple(dict.fromkeys(name for spec in specs for entry in spec for name in axis_names(entry)))
+    quantized = isinstance(a, tuple)
+
+    def block(*blocks: Any) -> Any:
+        *a, q_b, s_b = (_compat.mark_varying(x, split_over) for x in blocks)
+        q_a, s_a = a if quantized else quantize(a[0], how.formats[0], how.power_of_two)
+        out = float8_conv(q_a, q_b, how, layout.mesh, layout.result) * (s_a.reshape(()) * s_b[0])
+        return _summed(out, layout.summed_over, how.out_dtype)
+
+    a_specs = (specs[0], _scale_spec(specs[0])) if quantized else (specs[0],)
+    in_specs = (*a_specs, specs[1], _scale_spec(specs[1]))
+    a = a if quantized else (a,)
+    return jax.shard_map(block, mesh=layout.mesh, in_specs=in_specs, out_specs=layout.result)(*a, *b)
 
 
 def _batched(args: Sequence[Any], dims: Sequence[Any], how: LocalScaling) -> tuple[list, list]:

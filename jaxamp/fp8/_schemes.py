@@ -14,6 +14,8 @@ straight-through estimator); gradients run in float8, as each recipe says.
 * `PerGroup`: `lax.ragged_dot` with a scale per group (expert).
 * `PerShard`: tensorwise with a scale per shard of the dimensions an Explicit
   mesh splits and the matmul does not contract; ``dot_general``.
+* `PerShardConv`: tensorwise with a scale per device's shard on an Explicit
+  mesh, each product a `jax.shard_map`; convolutions.
 * `AutoPerShard`: tensorwise with a scale per device's shard on an Auto mesh,
   decided when XLA partitions the program (`jaxamp.fp8._partitioned`);
   ``dot_general`` and ungrouped convolutions.
@@ -35,7 +37,19 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ._differentiable import OTHER_SIDE
-from ._partitioned import LocalConv, LocalScaling, axis_names, free_dims, per_shard_conv, per_shard_dot, spec_of
+from ._partitioned import (
+    ConvShardLayouts,
+    LocalConv,
+    LocalScaling,
+    axis_names,
+    conv_per_device,
+    dequantize_per_device,
+    free_dims,
+    per_shard_conv,
+    per_shard_dot,
+    quantize_per_device,
+    spec_of,
+)
 from ._quantize import (
     E4M3,
     E5M2,
@@ -50,7 +64,8 @@ from ._quantize import (
 from ._state import ROLES, history_scale, observation
 
 __all__ = [
-    "AutoPerShard", "BLOCK_SIZE", "BlockScaled", "Delayed", "PerGroup", "PerShard", "Rowwise", "Tensorwise",
+    "AutoPerShard", "BLOCK_SIZE", "BlockScaled", "Delayed", "PerGroup", "PerShard", "PerShardConv", "Rowwise",
+    "Tensorwise",
     "blocked_dot", "shard_axes", "sharded_free_dims",
 ]
 
@@ -67,6 +82,11 @@ def _accumulating(params: dict, precision: Any = None) -> dict:
     if precision is not None:
         params["precision"] = precision
     return params
+
+
+def _conv_params(params: dict, precision: Any) -> tuple:
+    """A convolution's bind parameters, accumulating in float32, as `LocalConv.params`."""
+    return tuple(sorted(_accumulating(params, precision).items()))
 
 
 def _tangent_product(scheme: Any, side: str, t: Any, other: Any, rest: tuple = ()) -> Any:
@@ -478,9 +498,6 @@ class AutoPerShard:
         precision = _accumulating(self.params, precision).get("precision")
         return LocalScaling(dimension_numbers, precision, formats, self.power_of_two, np.dtype(out_dtype))
 
-    def _conv_params(self, precision: Any) -> tuple:
-        return tuple(sorted(_accumulating(self.params, precision).items()))
-
     def quantize(self, side, x, rest):
         # Each product quantises its own operands, per shard: keep the operand.
         return x.astype(self.out_dtype)
@@ -488,7 +505,7 @@ class AutoPerShard:
     def product(self, lhs, rhs, rest):
         formats, precision = (E4M3, E4M3), self.precisions[0]
         if self._conv:
-            how = LocalConv(self._conv_params(precision), formats, self.power_of_two, np.dtype(self.out_dtype))
+            how = LocalConv(_conv_params(self.params, precision), formats, self.power_of_two, np.dtype(self.out_dtype))
             return per_shard_conv(lhs, rhs, how)
         return per_shard_dot(lhs, rhs, self._dot(self.params["dimension_numbers"], formats, precision, self.out_dtype))
 
@@ -498,12 +515,56 @@ class AutoPerShard:
     def cotangent(self, side, other, aval, g, rest):
         formats, precision = (self.gradient_format, E4M3), self.precisions[1]
         if self._conv:
-            params = self._conv_params(precision)
+            params = _conv_params(self.params, precision)
             how = LocalConv(params, formats, self.power_of_two, np.dtype(aval.dtype), side, tuple(aval.shape))
             return per_shard_conv(g, other, how)
         lhs_ndim, rhs_ndim = _pair(side, aval.ndim, other.ndim)
         dims, order = _gradient_dims(self.params["dimension_numbers"], side, lhs_ndim, rhs_ndim)
         return lax.transpose(per_shard_dot(g, other, self._dot(dims, formats, precision, aval.dtype)), order)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PerShardConv:
+    """A tensorwise convolution on an Explicit mesh: a scale per device's shard, float8 residuals.
+
+    `PerShard`'s scales for convolutions, whose batch cannot be split into
+    ``dot_general`` batch dimensions: each product (forward, both gradients)
+    runs in `jax.shard_map` over the mesh as `layouts` say, each device
+    quantising its own blocks, so no amax crosses devices; the kernel's
+    gradient sums the rescaled per-device products over the batch's axes, the
+    all-reduce bf16 mode makes too. Residuals are float8 with a scale per
+    device's block, which the gradient products see unchanged.
+    """
+
+    primitive: Any
+    params: dict
+    out_dtype: Any
+    layouts: ConvShardLayouts
+    power_of_two: bool = False
+    gradient_format: Any = E5M2
+    precisions: tuple = (None, None)  # forward, gradient (`Fp8Recipe.accumulation_precisions`)
+
+    def quantize(self, side, x, rest):
+        return quantize_per_device(x, self.layouts.operand(side), self.layouts.forward.mesh, E4M3, self.power_of_two)
+
+    def product(self, lhs, rhs, rest):
+        how = LocalConv(_conv_params(self.params, self.precisions[0]), (E4M3, E4M3), False, np.dtype(self.out_dtype))
+        return conv_per_device(lhs, rhs, how, self.layouts.forward)
+
+    def tangent(self, side, other, t, rest):
+        other_side = OTHER_SIDE[side]
+        other = dequantize_per_device(other, self.layouts.operand(other_side), self.layouts.forward.mesh)
+        return _tangent_product(self, side, t, other)
+
+    def cotangent(self, side, other, aval, g, rest):
+        layout = getattr(self.layouts, side)
+        g_spec = layout.operands[0]
+        if spec_of(jax.typeof(g)) != tuple(g_spec):
+            g = jax.sharding.reshard(g, g_spec)
+        params = _conv_params(self.params, self.precisions[1])
+        formats = (self.gradient_format, E4M3)
+        how = LocalConv(params, formats, self.power_of_two, np.dtype(aval.dtype), side, tuple(aval.shape))
+        return conv_per_device(g, other, how, layout)
 
 
 # --- scales per shard -----------------------------------------------------------
