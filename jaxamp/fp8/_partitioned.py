@@ -1,4 +1,4 @@
-"""Float8 products scaled per shard where XLA partitions them: tensorwise scaling on Auto meshes.
+"""Float8 products each device scales per shard: tensorwise scaling on Auto meshes, and convolutions on Explicit ones.
 
 On an Explicit mesh an array's type says how it is split, and `PerShard`
 gives each shard its own scale while tracing. On an Auto mesh (``jax.jit``
@@ -23,6 +23,12 @@ Each product quantises its own operands, so residuals are saved in the
 compute dtype (2 bytes per element; the rowwise and block recipes save theirs
 the same way): a float8 residual's scales would belong to the shards of the
 forward product, which XLA may split differently from the gradient's.
+
+On an Explicit mesh `PerShard` splits a ``dot_general``'s scales while
+tracing; a convolution's batch cannot become a batch dimension of the
+product, so its products run in `jax.shard_map` (`conv_per_device`), each
+device's blocks as the types split them, with float8 residuals scaled per
+device (`quantize_per_device`): the types fix the blocks for the gradients too.
 """
 
 from __future__ import annotations
