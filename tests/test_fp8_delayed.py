@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxpr_walk import matmul_operand_dtypes
+from test_fp8_sharding import _conv_net, _conv_problem
 
 import jaxamp
 
@@ -270,6 +271,28 @@ def test_data_parallel_mesh_matches_one_device(kind):
     matmuls = matmul_operand_dtypes(jaxpr)
     assert len(matmuls) == 5, matmuls  # 2 forward, 3 gradients (none for the data)
     assert all(d in (E4M3, E5M2) for _, dtypes in matmuls for d in dtypes), matmuls
+
+
+def _conv(w, x):
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.mean(y.astype(jnp.float32) ** 2)
+
+
+def test_a_batch_the_jit_closes_over_on_an_explicit_mesh():
+    # The batch a constant of the trace, split over an Explicit mesh, reaches
+    # the first convolution as it is: the amax helper's zeros must be split
+    # like it (they were not: JAX's "select cases must have the same shardings").
+    params, x = _conv_problem()
+    loss = jaxamp.amp(_conv_net, compute_dtype=_recipe())
+    state = jaxamp.init_fp8_state(loss, params, x)
+    want = jax.jit(jax.grad(lambda p, s: loss(p, x, fp8_state=s), argnums=(0, 1)))(params, state)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        step = jax.jit(jax.grad(lambda p, s: loss(p, xs, fp8_state=s), argnums=(0, 1)))
+        got = step(jax.device_put(params, NamedSharding(mesh, P())), state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * float(np.abs(b).max()))
 
 
 def _per_device_observations(how, loss, params, state, x, c, mesh):
@@ -523,13 +546,9 @@ def test_each_branch_of_a_cond_has_its_own_history():
 
 
 def test_a_convolution_takes_its_history_without_a_warning():
-    def f(w, x):
-        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-        return jnp.mean(y.astype(jnp.float32) ** 2)
-
     k = jax.random.split(jax.random.key(2), 2)
     w, x = jax.random.normal(k[0], (3, 3, 16, 32)) * 0.1, jax.random.normal(k[1], (4, 8, 8, 16))
-    loss = jaxamp.amp(f, compute_dtype=_recipe())
+    loss = jaxamp.amp(_conv, compute_dtype=_recipe())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state = jaxamp.init_fp8_state(loss, w, x)

@@ -63,7 +63,11 @@ def quantize_along(x: Any, fmt: Any, contracted: Sequence[int], power_of_two: bo
 
 def _finite_magnitude(x32: Any) -> Any:
     """``|x|`` with non-finite entries as 0: what an amax is taken over."""
-    return lax.select(lax.is_finite(x32), lax.abs(x32), lax.full_like(x32, 0.0))
+    magnitude = lax.abs(x32)
+    # The zeros like `magnitude`, not `x32`: inside a trace, `full_like` of a
+    # concrete array split over an Explicit mesh (a batch the jit closes over)
+    # is not split like it, and `select` wants its cases typed alike.
+    return lax.select(lax.is_finite(x32), magnitude, lax.full_like(magnitude, 0.0))
 
 
 def finite_amax(x: Any) -> Any:
