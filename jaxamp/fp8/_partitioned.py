@@ -13,10 +13,14 @@ operand with a scale from that shard's amax (no collective), multiplies in
 float8, rescales its partial product and, where the contraction is split over
 mesh axes (data parallelism's weight gradient, a row-parallel weight), sums
 the partial products over them: the all-reduce a bfloat16 step makes too.
+An operand XLA split along a dimension the product needs whole (an FSDP
+weight, split over the axis the batch takes) is gathered by each device in
+float8, after its shards agree on one scale (`OnDevice.gathered`), rather
+than by XLA in high precision.
 Unpartitioned (one device, or replicated operands) it is tensorwise scaling.
-`per_shard_conv` does the same for an ungrouped ``conv_general_dilated`` and
-its cotangents (JAX's transpose rules, run on each device's shards), its
-spatial dimensions kept whole. Both are built by `_partitioned_op` from a
+`per_shard_conv` does the same for a ``conv_general_dilated`` without batch
+groups and its cotangents (JAX's transpose rules, run on each device's
+shards), its spatial dimensions (and a grouped convolution's features) whole. Both are built by `_partitioned_op` from a
 description of the op's dimensions as Shardy factors (`_Factors`).
 
 Each product quantises its own operands, so residuals are saved in the
@@ -82,14 +86,43 @@ class LocalScaling(NamedTuple):
     jaxamp_matmul = "dot_general"
 
 
-def _local_dot(lhs: Any, rhs: Any, how: LocalScaling, summed_over: tuple, mesh: Any, result_spec: Any) -> Any:
-    """One device's product: its shards quantised with their own scales, summed over `summed_over`."""
+class OnDevice(NamedTuple):
+    """Where one device's product runs (the defaults: unpartitioned, the whole operands).
+
+    Attributes:
+        mesh: the mesh.
+        result_spec: how the result is split (its entries).
+        summed_over: the mesh axes that split the contraction, which the
+            partial products are summed over.
+        gathered: per operand, ``{dim: mesh axes}`` that XLA split and the
+            product needs whole: the device quantises its block with a scale
+            those devices agree on and all-gathers it in float8 (an FSDP
+            weight), where XLA would gather it in high precision.
+    """
+
+    mesh: Any = None
+    result_spec: Any = None
+    summed_over: tuple = ()
+    gathered: tuple[dict, dict] = ({}, {})
+
+
+def _quantized_block(x: Any, fmt: Any, power_of_two: bool, own: Sequence[int], gathered: dict) -> tuple[Any, Any]:
+    """One device's block of an operand in `fmt` with its scales (per index of `own`), `gathered` as `OnDevice` says."""
+    agreed = tuple(dict.fromkeys(name for axes in gathered.values() for name in axes))
+    q, scale = quantize_along(x, fmt, [d for d in range(x.ndim) if d not in own], power_of_two, agreed)
+    for dim, axes in gathered.items():
+        q = lax.all_gather(q, axes, axis=dim, tiled=True)
+    return q, scale
+
+
+def _local_dot(lhs: Any, rhs: Any, how: LocalScaling, where: OnDevice) -> Any:
+    """One device's product: its shards quantised with their own scales, summed over `where.summed_over`."""
     (lc, rc), (lb, rb) = how.dimension_numbers
     lf, rf = free_dims(lhs.ndim, lc, lb), free_dims(rhs.ndim, rc, rb)
-    scaled = []
-    for x, fmt, own in zip((lhs, rhs), how.formats, how.own_scales):
-        scaled.append(quantize_along(x, fmt, [d for d in range(x.ndim) if d not in own], how.power_of_two))
-    (q_lhs, s_lhs), (q_rhs, s_rhs) = scaled
+    (q_lhs, s_lhs), (q_rhs, s_rhs) = (
+        _quantized_block(x, fmt, how.power_of_two, own, gathered)
+        for x, fmt, own, gathered in zip((lhs, rhs), how.formats, how.own_scales, where.gathered)
+    )
     out = lax.dot_general(q_lhs, q_rhs, how.dimension_numbers, how.precision, preferred_element_type=_F32)
     to_out = (
         {d: lb.index(d) if d in lb else len(lb) + lf.index(d) for d in how.own_scales[0]},
@@ -97,7 +130,7 @@ def _local_dot(lhs: Any, rhs: Any, how: LocalScaling, summed_over: tuple, mesh: 
     )
     for scale, own, position in zip((s_lhs, s_rhs), how.own_scales, to_out):
         out = out * place(scale, sorted(own), position, out.shape)
-    return _summed(out, summed_over, how.out_dtype)
+    return _summed(out, where.summed_over, how.out_dtype)
 
 
 def _summed(out: Any, summed_over: tuple, dtype: Any) -> Any:
@@ -202,17 +235,32 @@ def _replicated_off_mesh(operand_shapes: Sequence[Any]) -> bool:
     return True
 
 
+def _gathered(specs: Sequence[Sequence[Any]], operand_shapes: Sequence[Any]) -> tuple[list, tuple[dict, ...]]:
+    """The operands' specs with the dims the device gathers itself kept split, and those dims (`OnDevice.gathered`).
+
+    A dim `_layout` leaves whole that XLA split (an FSDP weight's, split over
+    the axis the batch takes) stays split: each device gathers it in float8.
+    """
+    kept, gathered = [], []
+    for spec, shape in zip(specs, operand_shapes):
+        split = spec_of(shape)
+        found = {dim: axis_names(have) for dim, (entry, have) in enumerate(zip(spec, split)) if entry is None and have}
+        kept.append([split[dim] if dim in found else entry for dim, entry in enumerate(spec)])
+        gathered.append(found)
+    return kept, tuple(gathered)
+
+
 def _partitioned_op(factors_of: Callable, local: Callable) -> Callable:
-    """A `custom_partitioning` op ``op(lhs, rhs, how)`` computing ``local(lhs, rhs, how, summed_over, mesh, spec)``.
+    """A `custom_partitioning` op ``op(lhs, rhs, how)`` computing ``local(lhs, rhs, how, OnDevice(...))``.
 
     `factors_of(how, lhs_ndim, rhs_ndim)` gives its `_Factors`; `local`
     computes one device's result from its shards (the whole operands when
-    unpartitioned: no axes summed over, no mesh).
+    unpartitioned, ``OnDevice()``).
     """
 
     @functools.partial(custom_partitioning, static_argnums=(2,))
     def op(lhs: Any, rhs: Any, how: Any) -> Any:
-        return local(lhs, rhs, how, (), None, None)
+        return local(lhs, rhs, how, OnDevice())
 
     def sharding_rule(how: Any, mesh: Any, operand_types: Sequence[Any], result_types: Any) -> tuple:
         factors = factors_of(how, *(len(t.shape) for t in operand_types))
@@ -224,14 +272,16 @@ def _partitioned_op(factors_of: Callable, local: Callable) -> Callable:
 
     def partition(how: Any, mesh: Any, operand_shapes: Sequence[Any], result_shape: Any) -> tuple:
         if _replicated_off_mesh(operand_shapes):  # no mesh to name the devices: one whole copy each
-            return mesh, lambda lhs, rhs: local(lhs, rhs, how, (), None, None), result_shape.sharding, tuple(
+            return mesh, lambda lhs, rhs: local(lhs, rhs, how, OnDevice()), result_shape.sharding, tuple(
                 s.sharding for s in operand_shapes
             )
         factors = factors_of(how, *(len(s.shape) for s in operand_shapes))
         specs, out_spec, summed_over = _layout(factors, operand_shapes)
+        specs, gathered = _gathered(specs, operand_shapes)
+        where = OnDevice(mesh, out_spec, summed_over, gathered)
 
         def per_device(lhs: Any, rhs: Any) -> Any:
-            return local(lhs, rhs, how, summed_over, mesh, out_spec)
+            return local(lhs, rhs, how, where)
 
         operands = tuple(NamedSharding(mesh, P(*spec)) for spec in specs)
         return mesh, per_device, NamedSharding(mesh, P(*out_spec)), operands
@@ -307,11 +357,14 @@ def _conv_factors(how: LocalConv, lhs_ndim: int, rhs_ndim: int) -> _Factors:
     return _Factors(operands, result, () if reduced in whole else (reduced,), whole)
 
 
-def _local_conv(a: Any, b: Any, how: LocalConv, summed_over: tuple, mesh: Any, result_spec: Any) -> Any:
+def _local_conv(a: Any, b: Any, how: LocalConv, where: OnDevice) -> Any:
     """One device's convolution (or cotangent): its shards quantised with their own scales, summed as `_local_dot`."""
-    q_a, s_a = quantize(a, how.formats[0], how.power_of_two)
-    q_b, s_b = quantize(b, how.formats[1], how.power_of_two)
-    return _summed(float8_conv(q_a, q_b, how, mesh, result_spec) * (s_a * s_b), summed_over, how.out_dtype)
+    (q_a, s_a), (q_b, s_b) = (
+        _quantized_block(x, fmt, how.power_of_two, (), gathered)
+        for x, fmt, gathered in zip((a, b), how.formats, where.gathered)
+    )
+    out = float8_conv(q_a, q_b, how, where.mesh, where.result_spec) * (s_a * s_b)
+    return _summed(out, where.summed_over, how.out_dtype)
 
 
 def float8_conv(q_a: Any, q_b: Any, how: LocalConv, mesh: Any = None, result_spec: Any = None) -> Any:
@@ -481,7 +534,7 @@ def _batched_conv(args: Sequence[Any], dims: Sequence[Any], how: LocalConv) -> t
     """`jax.vmap` of `per_shard_conv`: each example scaled apart, as on one device (its shards' scales not split)."""
     mapped = [0 if d is not None else None for d in dims]
     moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-    out = jax.vmap(lambda a, b: _local_conv(a, b, how, (), None, None), in_axes=mapped)(*moved)
+    out = jax.vmap(lambda a, b: _local_conv(a, b, how, OnDevice()), in_axes=mapped)(*moved)
     return [out], [0]
 
 

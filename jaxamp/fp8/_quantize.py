@@ -47,14 +47,22 @@ def quantize(x: Any, fmt: Any, power_of_two: bool = False) -> tuple[Any, Any]:
     return quantize_along(x, fmt, range(np.ndim(x)), power_of_two)
 
 
-def quantize_along(x: Any, fmt: Any, contracted: Sequence[int], power_of_two: bool = False) -> tuple[Any, Any]:
+def quantize_along(
+    x: Any, fmt: Any, contracted: Sequence[int], power_of_two: bool = False, agreed_over: tuple = ()
+) -> tuple[Any, Any]:
     """`quantize` with one scale per index of the dimensions not in `contracted`.
+
+    With `agreed_over` (mesh axes; per-device code), each amax is the largest
+    over those devices, so they all take the same scales.
 
     Returns ``(q, scale)``, `scale` holding the kept dimensions in order.
     """
     x32 = lax.convert_element_type(x, _F32)
     contracted = tuple(sorted(contracted))
-    scale = scale_for_amax(lax.reduce_max(_finite_magnitude(x32), contracted), fmt, power_of_two)
+    amax = lax.reduce_max(_finite_magnitude(x32), contracted)
+    if agreed_over:
+        amax = lax.pmax(amax, agreed_over)
+    scale = scale_for_amax(amax, fmt, power_of_two)
     return apply_scale(x32, lax.expand_dims(scale, contracted), fmt), scale
 
 
