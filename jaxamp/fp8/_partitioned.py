@@ -20,8 +20,9 @@ than by XLA in high precision.
 Unpartitioned (one device, or replicated operands) it is tensorwise scaling.
 `per_shard_conv` does the same for a ``conv_general_dilated`` without batch
 groups and its cotangents (JAX's transpose rules, run on each device's
-shards), its spatial dimensions (and a grouped convolution's features) whole. Both are built by `_partitioned_op` from a
-description of the op's dimensions as Shardy factors (`_Factors`).
+shards), its spatial dimensions (and a grouped convolution's features) whole.
+Both are built by `_partitioned_op` from a description of the op's dimensions
+as Shardy factors (`_Factors`).
 
 Each product quantises its own operands, so residuals are saved in the
 compute dtype (2 bytes per element; the rowwise and block recipes save theirs
@@ -53,8 +54,8 @@ from ..transform._interpreter import warn_once
 from ._quantize import place, quantize, quantize_along
 
 __all__ = [
-    "ConvShardLayouts", "LocalConv", "LocalScaling", "ShardLayout", "axis_names", "conv_per_device",
-    "dequantize_per_device", "explicit_conv_layouts", "float8_conv", "free_dims", "per_shard_conv", "per_shard_dot",
+    "ConvShardLayouts", "LocalConv", "LocalScaling", "OnDevice", "ShardLayout", "axis_names", "conv_per_device",
+    "dequantize_per_device", "explicit_conv_layouts", "free_dims", "per_shard_conv", "per_shard_dot",
     "quantize_per_device", "spec_of",
 ]
 
@@ -91,7 +92,7 @@ class OnDevice(NamedTuple):
 
     Attributes:
         mesh: the mesh.
-        result_spec: how the result is split (its entries).
+        result_spec: how the result is split.
         summed_over: the mesh axes that split the contraction, which the
             partial products are summed over.
         gathered: per operand, ``{dim: mesh axes}`` that XLA split and the
@@ -101,7 +102,7 @@ class OnDevice(NamedTuple):
     """
 
     mesh: Any = None
-    result_spec: Any = None
+    result_spec: P | None = None
     summed_over: tuple = ()
     gathered: tuple[dict, dict] = ({}, {})
 
@@ -278,7 +279,7 @@ def _partitioned_op(factors_of: Callable, local: Callable) -> Callable:
         factors = factors_of(how, *(len(s.shape) for s in operand_shapes))
         specs, out_spec, summed_over = _layout(factors, operand_shapes)
         specs, gathered = _gathered(specs, operand_shapes)
-        where = OnDevice(mesh, out_spec, summed_over, gathered)
+        where = OnDevice(mesh, P(*out_spec), summed_over, gathered)
 
         def per_device(lhs: Any, rhs: Any) -> Any:
             return local(lhs, rhs, how, where)
@@ -363,27 +364,27 @@ def _local_conv(a: Any, b: Any, how: LocalConv, where: OnDevice) -> Any:
         _quantized_block(x, fmt, how.power_of_two, (), gathered)
         for x, fmt, gathered in zip((a, b), how.formats, where.gathered)
     )
-    out = float8_conv(q_a, q_b, how, where.mesh, where.result_spec) * (s_a * s_b)
-    return _summed(out, where.summed_over, how.out_dtype)
+    return _rescaled_conv(q_a, s_a, q_b, s_b, how, where)
 
 
-def float8_conv(q_a: Any, q_b: Any, how: LocalConv, mesh: Any = None, result_spec: Any = None) -> Any:
-    """The unscaled float8 convolution (or `how.cotangent_of`'s cotangent) of one device's blocks, in float32.
+def _rescaled_conv(q_a: Any, s_a: Any, q_b: Any, s_b: Any, how: LocalConv, where: OnDevice) -> Any:
+    """One device's float8 convolution (or cotangent) of quantised blocks, rescaled, summed, in `how.out_dtype`."""
+    return _summed(_float8_conv(q_a, q_b, how, where) * (s_a * s_b), where.summed_over, how.out_dtype)
 
-    `mesh` and `result_spec` (None: unpartitioned) give the device's block of
-    a cotangent's whole `how.result_shape`.
-    """
+
+def _float8_conv(q_a: Any, q_b: Any, how: LocalConv, where: OnDevice) -> Any:
+    """The unscaled float8 convolution (or `how.cotangent_of`'s cotangent) of one device's blocks, in float32."""
     conv = _compat.primitives_by_name()["conv_general_dilated"]
     params = dict(how.params)
     if params.get("out_sharding") is not None:  # the whole result's: each device computes a block
         params["out_sharding"] = None
     if not how.cotangent_of:
         return conv.bind(q_a, q_b, **params)
-    shape = list(how.result_shape)
-    if mesh is not None:
-        for dim, entry in enumerate(result_spec):
+    shape = list(how.result_shape)  # the whole side's: this device's block of it
+    if where.mesh is not None:
+        for dim, entry in enumerate(where.result_spec):
             for name in axis_names(entry):
-                shape[dim] //= mesh.shape[name]
+                shape[dim] //= where.mesh.shape[name]
     side = _compat.shaped_array(shape, how.out_dtype)
     pair = (side, q_b) if how.cotangent_of == "lhs" else (q_b, side)
     found = _compat.matmul_cotangents(conv, q_a, *pair, (), params, _F32, only=how.cotangent_of)
@@ -402,12 +403,10 @@ per_shard_conv = _partitioned_op(_conv_factors, _local_conv)
 
 
 class ShardLayout(NamedTuple):
-    """How one product runs per device on an Explicit mesh: its operands' and result's specs, the axes it sums over."""
+    """How one product runs per device on an Explicit mesh: its operands' specs, and `OnDevice`."""
 
-    mesh: Any
     operands: tuple[P, P]
-    result: P
-    summed_over: tuple
+    where: OnDevice
 
 
 class ConvShardLayouts(NamedTuple):
@@ -416,6 +415,10 @@ class ConvShardLayouts(NamedTuple):
     forward: ShardLayout
     lhs: ShardLayout
     rhs: ShardLayout
+
+    @property
+    def mesh(self) -> Any:
+        return self.forward.where.mesh
 
     def operand(self, side: str) -> P:
         """How `side`'s operand (``"lhs"`` or ``"rhs"``) is split."""
@@ -453,7 +456,7 @@ def explicit_conv_layouts(params: dict, lhs: Any, rhs: Any, out: Any) -> ConvSha
         specs, result_spec, summed_over = _layout(factors, operands)
         if [tuple(s) for s in specs] != [spec_of(a) for a in operands] or tuple(result_spec) != spec_of(result):
             return None
-        return ShardLayout(mesh, tuple(P(*s) for s in specs), P(*result_spec), summed_over)
+        return ShardLayout(tuple(P(*s) for s in specs), OnDevice(mesh, P(*result_spec), summed_over))
 
     found = product("", (lhs, rhs), out), product("lhs", (out, rhs), lhs), product("rhs", (out, lhs), rhs)
     return None if None in found else ConvShardLayouts(*found)
@@ -484,12 +487,12 @@ def dequantize_per_device(residual: tuple[Any, Any], spec: P, mesh: Any) -> Any:
 
 
 def conv_per_device(a: Any, b: tuple[Any, Any], how: LocalConv, layout: ShardLayout) -> Any:
-    """`float8_conv` of `a` and `b` per device, each device's product rescaled and summed as `_local_dot`.
+    """The float8 convolution (or cotangent) of `a` and `b` per device, each device's product rescaled and summed.
 
     `b` is a `quantize_per_device` result; `a` is one too, or (a cotangent)
     an array each device quantises to ``how.formats[0]`` itself.
     """
-    specs = layout.operands
+    specs, where = layout
     # Each device's product varies over every axis that splits an operand (those
     # it sums over included), and the primitives want their operands typed alike.
     split_over = tuple(dict.fromkeys(name for spec in specs for entry in spec for name in axis_names(entry)))
@@ -498,13 +501,12 @@ def conv_per_device(a: Any, b: tuple[Any, Any], how: LocalConv, layout: ShardLay
     def block(*blocks: Any) -> Any:
         *a, q_b, s_b = (_compat.mark_varying(x, split_over) for x in blocks)
         q_a, s_a = a if quantized else quantize(a[0], how.formats[0], how.power_of_two)
-        out = float8_conv(q_a, q_b, how, layout.mesh, layout.result) * (s_a.reshape(()) * s_b[0])
-        return _summed(out, layout.summed_over, how.out_dtype)
+        return _rescaled_conv(q_a, s_a.reshape(()), q_b, s_b[0], how, where)
 
     a_specs = (specs[0], _scale_spec(specs[0])) if quantized else (specs[0],)
     in_specs = (*a_specs, specs[1], _scale_spec(specs[1]))
     a = a if quantized else (a,)
-    return jax.shard_map(block, mesh=layout.mesh, in_specs=in_specs, out_specs=layout.result)(*a, *b)
+    return jax.shard_map(block, mesh=where.mesh, in_specs=in_specs, out_specs=where.result_spec)(*a, *b)
 
 
 def _batched(args: Sequence[Any], dims: Sequence[Any], how: LocalScaling) -> tuple[list, list]:

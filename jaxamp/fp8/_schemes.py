@@ -545,7 +545,7 @@ class PerShardConv:
     precisions: tuple = (None, None)  # forward, gradient (`Fp8Recipe.accumulation_precisions`)
 
     def quantize(self, side, x, rest):
-        return quantize_per_device(x, self.layouts.operand(side), self.layouts.forward.mesh, E4M3, self.power_of_two)
+        return quantize_per_device(x, self.layouts.operand(side), self.layouts.mesh, E4M3, self.power_of_two)
 
     def product(self, lhs, rhs, rest):
         how = LocalConv(_conv_params(self.params, self.precisions[0]), (E4M3, E4M3), False, np.dtype(self.out_dtype))
@@ -553,7 +553,7 @@ class PerShardConv:
 
     def tangent(self, side, other, t, rest):
         other_side = OTHER_SIDE[side]
-        other = dequantize_per_device(other, self.layouts.operand(other_side), self.layouts.forward.mesh)
+        other = dequantize_per_device(other, self.layouts.operand(other_side), self.layouts.mesh)
         return _tangent_product(self, side, t, other)
 
     def cotangent(self, side, other, aval, g, rest):
