@@ -4,8 +4,9 @@ The problem and layouts are those of `test_sharding_matrix` (a 2 x 2 mesh;
 data parallel, FSDP and tensor parallel), which also checks fp8 gradients
 against float32 and their shardings against `jax.grad`'s. Here: under `jit`
 an operand split along a dimension the matmul does not contract gets a scale
-per shard (on an Explicit mesh while tracing; on an Auto mesh when XLA
-partitions the program, each product a `custom_partitioning` op), with
+per shard (on an Explicit mesh while tracing, a convolution's products each a
+`shard_map`; on an Auto mesh when XLA partitions the program, each product a
+`custom_partitioning` op, gathering an FSDP weight in float8), with
 gradients exact where float8 is exact and no more all-reduces than the
 bfloat16 step; every matmul, forward and backward,
 runs in float8 on every mode; the gradient matmuls are JAX's own transposes at
@@ -32,6 +33,7 @@ from jaxpr_walk import float_operand_dtypes, iter_eqns, matmul_operand_dtypes
 from test_sharding_matrix import LAYOUTS, _loss_for, _mesh, _problem, _shardings
 
 import jaxamp
+from jaxamp._compat import saved_residuals
 
 FP8 = jaxamp.Fp8Recipe(min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -396,7 +398,7 @@ def test_explicit_mesh_convolutions_scale_per_device_with_float8_residuals():
             shardings = {k: jax.typeof(v).sharding.spec for k, v in grads.items()}
             counts[str(compute_dtype) + " shardings"] = shardings
         jaxpr = jax.make_jaxpr(step)(ps, xs)
-        residuals = _compat_saved_residuals(loss, ps, xs)
+        residuals = saved_residuals(loss, ps, xs)
         value, tangent = jax.jit(lambda p: jax.jvp(lambda p: loss(p, xs), (p,), (p,)))(ps)
         report = str(jaxamp.explain(_conv_net, compute_dtype=FP8)(ps, xs))
     assert counts[str(FP8)] == counts["bf16"] == 1, counts
@@ -411,12 +413,6 @@ def test_explicit_mesh_convolutions_scale_per_device_with_float8_residuals():
     assert ((16, 8, 8, 16), E4M3) in saved and ((16, 8, 8, 32), E4M3) in saved, saved
     assert ((2,), jnp.float32) in saved, saved  # a scale per device along "data"
     assert report.count("a scale per device's shard along data") == 2, report
-
-
-def _compat_saved_residuals(fn, *args):
-    from jaxamp import _compat
-
-    return _compat.saved_residuals(fn, *args)
 
 
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
