@@ -18,7 +18,7 @@ straight-through estimator); gradients run in float8, as each recipe says.
   mesh, each product a `jax.shard_map`; convolutions.
 * `AutoPerShard`: tensorwise with a scale per device's shard on an Auto mesh,
   decided when XLA partitions the program (`jaxamp.fp8._partitioned`);
-  ``dot_general`` and ungrouped convolutions.
+  ``dot_general`` and convolutions without batch groups.
 * `BlockScaled`: MXFP8 and Transformer Engine's blockwise recipe; ``dot_general``.
 """
 
