@@ -18,6 +18,9 @@ Modes:
   parameters, each device differentiates its own loss with
   ``axis_name="dp"``, the gradients are reduce-scattered, and each device
   updates its shard with ``skip_nonfinite_updates(axis_name="dp")``.
+* ``--dtype fp8-delayed``: fp8's delayed recipe, its amax histories threaded
+  through the step (replicated; in ``shard_map`` each device observes the
+  global amaxes).
 * ``--low-precision``: bfloat16 parameters updated with stochastic rounding
   (`jaxamp.optim.low_precision_params`), keyed from the step number.
 """
@@ -189,25 +192,38 @@ def main():
             opt_state = optimizer.init(params)
         else:
             optimizer = jaxamp.skip_nonfinite_updates(make_optimizer(), axis_name="dp")
+            # The delayed recipe's state enters every device replicated; each
+            # device's observed amaxes are the global ones (amp takes their
+            # maximum over "dp"), so every device rolls in the same.
             grad_fn = jaxamp.dynamic_scale_value_and_grad(
-                amp_loss, filter=False, redo_on_nan=ARGS.redo_on_nan, axis_name="dp"
+                (lambda p, s, x, y: amp_loss(p, x, y, fp8_state=s)) if delayed else amp_loss,
+                filter=False, redo_on_nan=ARGS.redo_on_nan, axis_name="dp", argnums=(0, 1) if delayed else 0,
             )
+            if delayed:
+                fp8_state = jax.device_put(jaxamp.init_fp8_state(amp_loss, params, *put_batch(0)), replicated)
 
             # FSDP / ZeRO-3: parameters and optimizer state live sharded along
             # their first axis; each step gathers the parameters, and
             # reduce-scatters the gradients back to the shards.
-            def body(shards, opt_state, scaler, x, y):
+            def body(shards, opt_state, scaler, *state_and_batch):
+                *fp8_state, x, y = state_and_batch
                 params = jax.tree_util.tree_map(
                     lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), shards
                 )
-                scaler, (loss, grads) = grad_fn(params, x, y, dynamic_scaler_state=scaler)
+                if delayed:
+                    scaler, (loss, (grads, observed)) = grad_fn(
+                        params, *fp8_state, x, y, dynamic_scaler_state=scaler
+                    )
+                    fp8_state = [fp8_state[0].update(observed)]
+                else:
+                    scaler, (loss, grads) = grad_fn(params, x, y, dynamic_scaler_state=scaler)
                 grads = jax.tree_util.tree_map(
                     lambda g: jax.lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True) / DEVICES,
                     grads,
                 )
                 updates, opt_state = optimizer.update(grads, opt_state, shards)
                 shards = jaxamp.apply_if_finite_updates(shards, updates, opt_state.last_finite)
-                return shards, opt_state, scaler, jax.lax.pmean(loss, "dp"), opt_state.last_finite
+                return shards, opt_state, scaler, *fp8_state, jax.lax.pmean(loss, "dp"), opt_state.last_finite
 
             def specs(tree):
                 # Arrays are sharded along their first axis; counters are shared.
@@ -216,12 +232,13 @@ def main():
             param_spec = specs(params)
             params = jax.device_put(params, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_spec))
             state_spec = specs(jax.eval_shape(optimizer.init, params))
+            fp8_spec = (P(),) if delayed else ()
             step = jax.jit(
                 jax.shard_map(
                     body,
                     mesh=mesh,
-                    in_specs=(param_spec, state_spec, P(), P("dp"), P("dp")),
-                    out_specs=(param_spec, state_spec, P(), P(), P()),
+                    in_specs=(param_spec, state_spec, P(), *fp8_spec, P("dp"), P("dp")),
+                    out_specs=(param_spec, state_spec, P(), *fp8_spec, P(), P()),
                 )
             )
             opt_state = jax.jit(

@@ -119,13 +119,16 @@ def test_multiprocess_low_precision_params_stay_identical(tmp_path):
     np.testing.assert_array_equal(two[0]["params"], one["params"])
 
 
-def test_multiprocess_fp8_delayed_histories_agree_on_every_process(tmp_path):
+@pytest.mark.parametrize("mode", ["jit", "shard_map"])
+def test_multiprocess_fp8_delayed_histories_agree_on_every_process(tmp_path, mode):
     # fp8's delayed recipe: the amax histories each process rolls in are the
     # global amaxes, so every process holds the same state, and the loss
     # scaler leaves the observed amaxes unscaled (the histories equal one
-    # process's, which it would divide by 2**15 otherwise).
-    two, (one,) = _launch_both(tmp_path, ["--mode", "jit", "--dtype", "fp8-delayed"])
-    _assert_processes_identical(two)
+    # process's, which it would divide by 2**15 otherwise). In shard_map each
+    # device differentiates its own loss: amp takes each amax's maximum over
+    # the devices, across processes too.
+    two, (one,) = _launch_both(tmp_path, ["--mode", mode, "--dtype", "fp8-delayed"])
+    _assert_processes_identical(two, mode)
     np.testing.assert_array_equal(two[0]["fp8_state"], two[1]["fp8_state"])
     assert two[0]["finite"].tolist() == [True, True, False] + [True] * 5
     histories, want = two[0]["fp8_histories"], one["fp8_histories"]
