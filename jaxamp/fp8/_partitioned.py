@@ -109,7 +109,7 @@ class OnDevice(NamedTuple):
 
 def _quantized_block(x: Any, fmt: Any, power_of_two: bool, own: Sequence[int], gathered: dict) -> tuple[Any, Any]:
     """One device's block of an operand in `fmt` with its scales (per index of `own`), `gathered` as `OnDevice` says."""
-    agreed = tuple(dict.fromkeys(name for axes in gathered.values() for name in axes))
+    agreed = spec_axes(tuple(gathered.values()))
     q, scale = quantize_along(x, fmt, [d for d in range(x.ndim) if d not in own], power_of_two, agreed)
     for dim, axes in gathered.items():
         q = lax.all_gather(q, axes, axis=dim, tiled=True)
@@ -157,6 +157,11 @@ def axis_names(entry: Any) -> tuple:
     if entry is None:
         return ()
     return entry if isinstance(entry, tuple) else (entry,)
+
+
+def spec_axes(*specs: Sequence[Any]) -> tuple:
+    """The mesh axes `specs` split dimensions over, each once, in order."""
+    return tuple(dict.fromkeys(name for spec in specs for entry in spec for name in axis_names(entry)))
 
 
 def _dims(how: LocalScaling, lhs_ndim: int, rhs_ndim: int) -> tuple:
@@ -426,7 +431,7 @@ class ConvShardLayouts(NamedTuple):
 
     def split_axes(self) -> list[str]:
         """The mesh axes that split the operands, for diagnostics."""
-        return sorted({str(name) for spec in self.forward.operands for entry in spec for name in axis_names(entry)})
+        return sorted(str(name) for name in spec_axes(*self.forward.operands))
 
 
 def explicit_conv_layouts(params: dict, lhs: Any, rhs: Any, out: Any) -> ConvShardLayouts | None:
@@ -464,7 +469,7 @@ def explicit_conv_layouts(params: dict, lhs: Any, rhs: Any, out: Any) -> ConvSha
 
 def _scale_spec(spec: P) -> P:
     """The spec of one scale per device's block of an array split as `spec`."""
-    return P(_entry([name for entry in spec for name in axis_names(entry)]))
+    return P(_entry(spec_axes(spec)))
 
 
 def quantize_per_device(x: Any, spec: P, mesh: Any, fmt: Any, power_of_two: bool) -> tuple[Any, Any]:
@@ -495,7 +500,7 @@ def conv_per_device(a: Any, b: tuple[Any, Any], how: LocalConv, layout: ShardLay
     specs, where = layout
     # Each device's product varies over every axis that splits an operand (those
     # it sums over included), and the primitives want their operands typed alike.
-    split_over = tuple(dict.fromkeys(name for spec in specs for entry in spec for name in axis_names(entry)))
+    split_over = spec_axes(*specs)
     quantized = isinstance(a, tuple)
 
     def block(*blocks: Any) -> Any:

@@ -84,9 +84,10 @@ def _accumulating(params: dict, precision: Any = None) -> dict:
     return params
 
 
-def _conv_params(params: dict, precision: Any) -> tuple:
-    """A convolution's bind parameters, accumulating in float32, as `LocalConv.params`."""
-    return tuple(sorted(_accumulating(params, precision).items()))
+def _conv_how(scheme: Any, formats: tuple, precision: Any, out_dtype: Any, side: str = "", shape=()) -> LocalConv:
+    """The `LocalConv` of one of `scheme`'s convolution products (`side`'s cotangent, of whole `shape`, if given)."""
+    params = tuple(sorted(_accumulating(scheme.params, precision).items()))
+    return LocalConv(params, formats, scheme.power_of_two, np.dtype(out_dtype), side, tuple(shape))
 
 
 def _tangent_product(scheme: Any, side: str, t: Any, other: Any, rest: tuple = ()) -> Any:
@@ -505,8 +506,7 @@ class AutoPerShard:
     def product(self, lhs, rhs, rest):
         formats, precision = (E4M3, E4M3), self.precisions[0]
         if self._conv:
-            how = LocalConv(_conv_params(self.params, precision), formats, self.power_of_two, np.dtype(self.out_dtype))
-            return per_shard_conv(lhs, rhs, how)
+            return per_shard_conv(lhs, rhs, _conv_how(self, formats, precision, self.out_dtype))
         return per_shard_dot(lhs, rhs, self._dot(self.params["dimension_numbers"], formats, precision, self.out_dtype))
 
     def tangent(self, side, other, t, rest):
@@ -515,9 +515,7 @@ class AutoPerShard:
     def cotangent(self, side, other, aval, g, rest):
         formats, precision = (self.gradient_format, E4M3), self.precisions[1]
         if self._conv:
-            params = _conv_params(self.params, precision)
-            how = LocalConv(params, formats, self.power_of_two, np.dtype(aval.dtype), side, tuple(aval.shape))
-            return per_shard_conv(g, other, how)
+            return per_shard_conv(g, other, _conv_how(self, formats, precision, aval.dtype, side, aval.shape))
         lhs_ndim, rhs_ndim = _pair(side, aval.ndim, other.ndim)
         dims, order = _gradient_dims(self.params["dimension_numbers"], side, lhs_ndim, rhs_ndim)
         return lax.transpose(per_shard_dot(g, other, self._dot(dims, formats, precision, aval.dtype)), order)
@@ -548,7 +546,7 @@ class PerShardConv:
         return quantize_per_device(x, self.layouts.operand(side), self.layouts.mesh, E4M3, self.power_of_two)
 
     def product(self, lhs, rhs, rest):
-        how = LocalConv(_conv_params(self.params, self.precisions[0]), (E4M3, E4M3), False, np.dtype(self.out_dtype))
+        how = _conv_how(self, (E4M3, E4M3), self.precisions[0], self.out_dtype)
         return conv_per_device(lhs, rhs, how, self.layouts.forward)
 
     def tangent(self, side, other, t, rest):
@@ -561,9 +559,7 @@ class PerShardConv:
         g_spec = layout.operands[0]
         if spec_of(jax.typeof(g)) != tuple(g_spec):
             g = jax.sharding.reshard(g, g_spec)
-        params = _conv_params(self.params, self.precisions[1])
-        formats = (self.gradient_format, E4M3)
-        how = LocalConv(params, formats, self.power_of_two, np.dtype(aval.dtype), side, tuple(aval.shape))
+        how = _conv_how(self, (self.gradient_format, E4M3), self.precisions[1], aval.dtype, side, aval.shape)
         return conv_per_device(g, other, how, layout)
 
 
