@@ -44,12 +44,23 @@ def test_linear_equals_half_cast_linear():
     np.testing.assert_array_equal(out, expected)
 
 
-def test_linear_adds_its_bias_in_float32_as_the_programs_tail():
+def test_a_bare_linear_equals_the_half_precision_linear():
+    # jaxamp 0.0.4's test_linear_amp: a layer's activations are no loss, so
+    # there is no tail; every op runs by its table entry, as in hand-cast f16.
+    linear = eqx.nn.Linear(2, 10, key=KEY)
+    x = jnp.ones(2)
+    half = _cast_arrays(linear, jnp.float16)
+    np.testing.assert_array_equal(amp(linear)(x), half(x.astype(jnp.float16)).astype(jnp.float32))
+    assert jnp.allclose(amp(linear)(x), half(x.astype(jnp.float16)))
+
+
+def test_a_linears_scalar_loss_adds_its_bias_in_float32_as_the_tail():
     linear = eqx.nn.Linear(5, 3, key=KEY)
     x = jax.random.normal(jax.random.PRNGKey(1), (5,))
     half = _cast_arrays(linear, jnp.float16)
-    expected = (half.weight @ x.astype(jnp.float16)).astype(jnp.float32) + linear.bias
-    np.testing.assert_array_equal(amp(linear)(x), expected)
+    logits = (half.weight @ x.astype(jnp.float16)).astype(jnp.float32) + linear.bias
+    expected = jnp.sum(logits**2)
+    np.testing.assert_array_equal(amp(lambda x: jnp.sum(linear(x) ** 2))(x), expected)
 
 
 def test_amp_stop_decorator_gives_float32():

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp import amp, amp_stop, explain, find_nonfinite
+from jaxamp.diagnostics._explain import _fold_scope
 
 KEY = jax.random.PRNGKey(0)
 D, T, LAYERS = 16, 8, 3
@@ -190,6 +191,34 @@ def test_printed_table_folds_repeated_layers_and_shows_source_lines():
     assert all("test_diagnostics.py:" in line for line in layer_rows)
     assert sum(line.startswith("layer_norm_") for line in unfolded) == 20
     assert str(report) == report.table()
+
+
+def test_printed_table_shows_operand_dtypes_before_and_after():
+    params = [jnp.full((8, 8), 0.1)] * 2
+    report = jaxamp.explain(_numbered_layers, compute_dtype="bf16")(params, jnp.ones((4, 8)))
+    header, *lines = report.table().splitlines()[1:]
+    columns = header.split()
+    assert columns[4:7] == ["before", "after", "out"]
+    dot = next(line.split() for line in lines if line.split()[1] == "dot_general")
+    assert dot[4:7] == ["f32,f32", "bf16,bf16", "bf16"]
+    tanh = next(line.split() for line in lines if line.split()[1] == "tanh")
+    assert tanh[4:7] == ["bf16", "bf16", "bf16"]
+
+
+@pytest.mark.parametrize(
+    "scope, folded",
+    [
+        ("layers_3/attn", "layers_*/attn"),
+        ("Dense_12", "Dense_*"),
+        ("blocks.3.mlp", "blocks.*.mlp"),
+        ("layers/3/mlp", "layers/*/mlp"),
+        ("bsd,3dkh->bs3kh", "bsd,3dkh->bs3kh"),
+        ("conv3x3_1", "conv3x3_*"),
+        ("h2o", "h2o"),
+    ],
+)
+def test_folding_replaces_instance_numbers_only(scope, folded):
+    assert _fold_scope(scope) == folded
 
 
 def test_headline_counts_decisions_not_equations_that_stayed_float32():

@@ -75,7 +75,7 @@ def test_the_tail_can_be_switched_off():
     table = {k: v for k, v in jaxamp.default_amp_policy.items() if k != "amp_tail"}
 
     def fn(h, w):
-        return jnp.tanh(h @ w) * 2.0
+        return jnp.sum(jnp.tanh(h @ w) * 2.0)
 
     jaxpr = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype="bf16", amp_policy=table))(H, W)
     tanhs = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.tanh_p]
@@ -103,3 +103,37 @@ def test_a_users_scope_wins_over_the_tail():
     jaxpr = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype="f16", amp_policy=table))(H, W)
     tanhs = [e for e in iter_eqns(jaxpr) if e.primitive is jax.lax.tanh_p]
     assert tanhs[0].invars[0].aval.dtype == jnp.bfloat16
+
+
+def test_a_function_returning_activations_has_no_tail():
+    # A model's forward (its log-probabilities) is no loss: the table decides
+    # each op, as jaxamp 0.0.4 did; the same ops reduced to a scalar are tail.
+    def forward(h, w):
+        return jax.nn.log_softmax(h @ w + 1.0)
+
+    rows = jaxamp.explain(forward, compute_dtype="bf16")(H, W).rows
+    assert not [r for r in rows if r.decided_by == "tail"]
+    (add,) = [r for r in rows if r.primitive == "add"]
+    assert add.dtypes_after == ("bf16", "bf16")
+    rows = jaxamp.explain(lambda h, w: forward(h, w).mean(), compute_dtype="bf16")(H, W).rows
+    (add,) = [r for r in rows if r.primitive == "add"]
+    assert add.decided_by == "tail" and add.dtypes_after == ("f32", "f32")
+
+
+def test_aux_outputs_are_not_the_loss():
+    # (loss, logits): the logits are returned as the program computes them in
+    # half precision; only what reduces to the loss alone is tail.
+    def fn(h, w):
+        logits = h @ w + 1.0
+        return optax.softmax_cross_entropy_with_integer_labels(logits, LABELS).mean(), logits
+
+    rows = jaxamp.explain(fn, compute_dtype="bf16")(H, W).rows
+    add = next(r for r in rows if r.primitive == "add")  # the bias
+    assert add.decided_by == "primitive" and add.dtypes_after == ("bf16", "bf16")
+    tail = [r for r in rows if r.decided_by == "tail"]
+    assert tail and all("bf16" not in r.dtypes_after for r in tail)
+    loss, logits = jaxamp.amp(fn, compute_dtype="bf16")(H, W)
+    half_logits = (H.astype(jnp.bfloat16) @ W.astype(jnp.bfloat16) + 1.0).astype(jnp.float32)
+    assert logits.dtype == jnp.float32
+    expected = optax.softmax_cross_entropy_with_integer_labels(half_logits, LABELS).mean()
+    assert abs(float(loss) - float(expected)) <= 1e-5 * abs(float(expected))

@@ -12,17 +12,25 @@ default); `jaxamp.explain` reports them as decided by ``range``.
 
 Facts tracked per value (anything else has no fact):
 
+* `View`: the value is variable ``of`` with its dimensions rearranged
+  (``transpose``, reshapes and broadcasts that only add or drop dimensions of
+  size 1): ``dims[i]`` is the dimension of ``of`` that the value's dimension
+  ``i`` holds (None: an added dimension of size 1). attention implementations
+  (``jax.nn.dot_product_attention``) transpose the scores between their
+  row maximum and the subtraction;
 * `MaxOf`: the value is at least the maximum of variable ``of`` over
-  ``axes``: a ``reduce_max`` of it, kept so through ``max`` with anything,
-  ``stop_gradient``, conversions and the broadcasts that put the reduced axes
-  back where they were (``keepdims``); ``layout`` says whether the reduced axes
-  are dropped (``"reduced"``) or present, of size 1 or full (``"aligned"``);
+  ``axes``: a ``reduce_max`` of it (or of a `View` of it), kept so through
+  ``max`` with anything, ``stop_gradient``, conversions, transposes,
+  reshapes and the broadcasts that put the reduced axes back; ``dims`` maps
+  the value's dimensions to those of ``of`` as for a `View` (a reduced axis,
+  or None, where the value is constant along the dimension);
 * `NONPOSITIVE`: at most 0 (up to the rounding of a maximum converted to
   another dtype: ``exp`` of it is then at most 1.004, still bounded): ``x - m``
-  for an aligned ``m = MaxOf(x)``, a literal <= 0, and
-  ``max``/``min``/``select_n``/broadcasts of such values.
+  for an ``m = MaxOf(x)`` laid out as ``x`` (or as the same `View` of its
+  variable), a literal <= 0, and ``max``/``min``/``select_n``/broadcasts of
+  such values.
 
-A ``MaxOf`` crosses into a called body (the ``jit``'d functions of
+A `MaxOf` or `View` crosses into a called body (the ``jit``'d functions of
 ``jax.numpy``) when the variable it refers to is passed too: it is then
 expressed relative to the body's inputs (`Arg`).
 """
@@ -43,6 +51,7 @@ __all__ = [
     "FiniteTest",
     "MaxOf",
     "Outside",
+    "View",
     "aliases",
     "bounded",
     "enter_call",
@@ -64,7 +73,7 @@ _ELEMENTWISE_IDENTITY = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Arg:
-    """The `index`-th input of a called body (a `MaxOf` across a call boundary)."""
+    """The `index`-th input of a called body (a `MaxOf` or `View` across a call boundary)."""
 
     index: int
 
@@ -81,12 +90,20 @@ class Outside:
 
 
 @dataclasses.dataclass(frozen=True)
+class View:
+    """Variable `of`, its dimensions rearranged as `dims` says (see the module docstring)."""
+
+    of: Any
+    dims: tuple[int | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class MaxOf:
-    """At least the maximum of variable `of` over `axes` (see the module docstring)."""
+    """At least the maximum of variable `of` over `axes`, laid out as `dims` (see the module docstring)."""
 
     of: Any
     axes: tuple[int, ...]
-    layout: str  # "reduced" or "aligned"
+    dims: tuple[int | None, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,31 +140,34 @@ def transfer(eqn: Any, operands: Sequence[Any], facts: Sequence[Any]) -> Any:
     """
     name = eqn.primitive.name
     if name == "reduce_max":
-        (operand,) = operands
-        if isinstance(operand, _compat.Literal):
+        view = _view(operands[0], facts[0])
+        if view is None:
             return None
-        return MaxOf(operand, tuple(eqn.params["axes"]), "reduced")
+        axes = set(eqn.params["axes"])
+        reduced = tuple(d for i, d in enumerate(view.dims) if i in axes and d is not None)
+        kept = tuple(d for i, d in enumerate(view.dims) if i not in axes)
+        return MaxOf(view.of, reduced, kept)
     if name in _ELEMENTWISE_IDENTITY:
         return facts[0]
-    if name == "broadcast_in_dim":
-        return _broadcast(facts[0], eqn)
-    if name == "reshape":
-        return _reshape(facts[0], eqn)
-    if name == "sub":
-        x, fact = operands[0], facts[1]
-        # A maximum over every axis is a scalar: it broadcasts to any position.
-        if isinstance(fact, MaxOf) and fact.of is x and (
-            fact.layout == "aligned" or len(fact.axes) == len(_shape(x))
-        ):
+    if name in ("transpose", "broadcast_in_dim", "reshape"):
+        fact = facts[0]
+        if fact == NONPOSITIVE:
             return NONPOSITIVE
+        if not isinstance(fact, MaxOf):
+            fact = _view(operands[0], fact)
+        dims = None if fact is None else _moved_dims(eqn, fact)
+        return None if dims is None else dataclasses.replace(fact, dims=dims)
+    if name == "sub":
+        view, fact = _view(operands[0], facts[0]), facts[1]
+        if view is not None and isinstance(fact, MaxOf) and fact.of is view.of:
+            if _covers(fact, view, _shape(eqn.invars[0]), _shape(eqn.invars[1])):
+                return NONPOSITIVE
         return None
     if name == "max":
-        # max(m, anything) is still at least m, if it keeps m's layout.
+        # max(m, anything) is still at least m, if it keeps m's shape.
         out = _shape(eqn.outvars[0])
         for v, fact in zip(eqn.invars, facts):
-            if isinstance(fact, MaxOf) and (
-                _shape(v) == out if fact.layout == "reduced" else _aligned(fact, out)
-            ):
+            if isinstance(fact, MaxOf) and _shape(v) == out:
                 return fact
         return NONPOSITIVE if all(f == NONPOSITIVE for f in facts) else None
     if name == "min":
@@ -192,40 +212,66 @@ def _shape(v: Any) -> tuple[int, ...]:
     return tuple(getattr(v.aval, "shape", ()))
 
 
-def _keepdims_shape(fact: MaxOf) -> tuple[int, ...]:
-    return tuple(1 if i in fact.axes else n for i, n in enumerate(_shape(fact.of)))
-
-
-def _aligned(fact: MaxOf, shape: tuple[int, ...]) -> bool:
-    full = _shape(fact.of)
-    return len(shape) == len(full) and all(
-        n == full[i] if i not in fact.axes else n in (1, full[i]) for i, n in enumerate(shape)
-    )
-
-
-def _broadcast(fact: Any, eqn: Any) -> Any:
-    if fact == NONPOSITIVE:
-        return NONPOSITIVE
-    if not isinstance(fact, MaxOf):
-        return None
-    shape = tuple(eqn.params["shape"])
-    dims = tuple(eqn.params["broadcast_dimensions"])
-    kept = tuple(i for i in range(len(_shape(fact.of))) if i not in fact.axes)
-    if fact.layout == "reduced" and dims == kept and _aligned(fact, shape):
-        return dataclasses.replace(fact, layout="aligned")
-    if fact.layout == "aligned" and dims == tuple(range(len(shape))) and _aligned(fact, shape):
+def _view(operand: Any, fact: Any) -> View | None:
+    """`operand` as a `View` of a variable: its fact, or itself unrearranged."""
+    if isinstance(fact, View):
         return fact
-    return None
-
-
-def _reshape(fact: Any, eqn: Any) -> Any:
-    if fact == NONPOSITIVE:
-        return NONPOSITIVE
-    if not isinstance(fact, MaxOf):
+    if isinstance(operand, _compat.Literal):
         return None
-    if fact.layout == "reduced" and _shape(eqn.outvars[0]) == _keepdims_shape(fact):
-        return dataclasses.replace(fact, layout="aligned")
-    return None
+    return View(operand, tuple(range(len(_shape(operand)))))
+
+
+def _covers(fact: MaxOf, view: View, x_shape: tuple, m_shape: tuple) -> bool:
+    """Whether ``m >= x`` elementwise, for ``x`` laid out as `view` and ``m`` as `fact`.
+
+    Where ``m`` follows a dimension of the variable, ``x`` must hold the same
+    one; where ``m`` is constant (a reduced axis, or an added dimension),
+    ``x`` must hold a reduced axis or have size 1 there.
+    """
+    if not m_shape and set(fact.axes) >= set(view.dims) - {None}:
+        return True  # a maximum over every axis, a scalar: it broadcasts to any position
+    # `sub` broadcasts dimensions of size 1 (JAX 0.12 leaves the broadcast implicit).
+    if len(x_shape) != len(m_shape) or any(m not in (1, x) for m, x in zip(m_shape, x_shape)):
+        return False
+    for mine, theirs, size in zip(fact.dims, view.dims, x_shape):
+        if mine is not None and mine not in fact.axes:
+            if mine != theirs:
+                return False
+        elif theirs not in fact.axes and size != 1:
+            return False
+    return True
+
+
+def _moved_dims(eqn: Any, fact: View | MaxOf) -> tuple[int | None, ...] | None:
+    """`fact`'s dims after a transpose, reshape or broadcast, or None where they are lost.
+
+    A `View` stays one only through equations that keep every element once (a
+    broadcast may only add dimensions of size 1); a `MaxOf` may also be
+    broadcast along dimensions where it is constant, which become None.
+    """
+    dims = fact.dims
+    name = eqn.primitive.name
+    if name == "transpose":
+        return tuple(dims[p] for p in eqn.params["permutation"])
+    shape_in, shape_out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    if name == "broadcast_in_dim":
+        out: list[int | None] = [None] * len(shape_out)
+        for d, position in enumerate(eqn.params["broadcast_dimensions"]):
+            grown = shape_in[d] != shape_out[position]
+            if grown and (isinstance(fact, View) or (dims[d] is not None and dims[d] not in fact.axes)):
+                return None  # grown along a dimension the value varies in
+            out[position] = None if grown else dims[d]
+        added = [size for k, size in enumerate(shape_out) if k not in eqn.params["broadcast_dimensions"]]
+        if isinstance(fact, View) and any(size != 1 for size in added):
+            return None
+        return tuple(out)
+    # A reshape that only adds or drops dimensions of size 1.
+    if eqn.params.get("dimensions") is not None:
+        return None
+    if [n for n in shape_in if n != 1] != [n for n in shape_out if n != 1]:
+        return None
+    sized = iter(d for d, n in zip(dims, shape_in) if n != 1)
+    return tuple(next(sized) if n != 1 else None for n in shape_out)
 
 
 def _rebase(fact: Any, move) -> Any:
@@ -233,7 +279,7 @@ def _rebase(fact: Any, move) -> Any:
     if isinstance(fact, FiniteTest):
         inner = _rebase(fact.of, move)
         return None if inner is None else FiniteTest(inner)
-    if isinstance(fact, MaxOf):
+    if isinstance(fact, (MaxOf, View)):
         of = move(fact, fact.of)
         return None if of is None else dataclasses.replace(fact, of=of)
     return fact
@@ -290,7 +336,7 @@ def leave_call(
             # The body passed a fact through from this operand.
             outer = call_facts[of.operand]
             outer = outer.of if isinstance(outer, FiniteTest) else outer
-            return outer.of if isinstance(outer, MaxOf) else None
+            return outer.of if isinstance(outer, (MaxOf, View)) else None
         source = call_invars[index[of]] if of in index else None
         return None if source is None or isinstance(source, _compat.Literal) else source
 

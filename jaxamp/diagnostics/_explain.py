@@ -52,10 +52,13 @@ class AmpRow:
     Attributes:
         primitive: the primitive's name (``"dot_general"``...).
         scope: the active `jax.named_scope` path, ``"outer/inner"`` (``""`` at top level).
-        decided_by: which policy entry chose the rule: ``"amp_stop"``,
-            ``"scope:<name>"``, ``"statistics"``, ``"range"`` (see README
-            "Policies"), ``"primitive"``, ``"amp_default"`` or
-            ``"original"`` (no entry, or a primitive amp cannot rewrite).
+        decided_by: which policy entry chose the rule, in the order amp
+            asks them (see `jaxamp.transform._scopes.choose_rule`):
+            ``"amp_stop"``, ``"scope:<name>"``, ``"user"`` (the user's entry
+            for the primitive, differing from the default table's),
+            ``"tail"``, ``"statistics"``, ``"range"``, ``"primitive"`` (the
+            default table's entry), ``"amp_default"``, or ``"original"`` (no
+            entry, or a primitive amp cannot rewrite).
         original_dtypes: operand dtypes in the user's program.
         dtypes_before: operand dtypes as they reached the equation under amp.
         dtypes_after: operand dtypes the primitive ran with.
@@ -113,7 +116,7 @@ class AmpRow:
             return False
         pairs = zip(self.dtypes_before, self.dtypes_after)
         cast_up = any(b in _HALF and a == "f32" for b, a in pairs)
-        pinned = self.decided_by in ("tail", "statistics") or self.decided_by.startswith("scope:")
+        pinned = self.decided_by in ("user", "tail", "statistics") or self.decided_by.startswith("scope:")
         return cast_up or pinned
 
     @property
@@ -261,20 +264,20 @@ class AmpReport:
         groups: dict[tuple, list[AmpRow]] = defaultdict(list)
         for row in self.rows:
             scope = _fold_scope(row.scope) if fold else row.scope
-            key = (scope, row.primitive, row.decided_by, row.dtypes_after, row.output_dtypes,
-                   row.detail, row.source or "")
+            key = (scope, row.primitive, row.decided_by, row.dtypes_before, row.dtypes_after,
+                   row.output_dtypes, row.detail, row.source or "")
             groups[key].append(row)
-        header = ("scope", "primitive", "count", "decided by", "operands", "out", "casts", "FLOPs",
-                  "source")
+        header = ("scope", "primitive", "count", "decided by", "before", "after", "out", "casts",
+                  "FLOPs", "source")
         notes = any(row.detail for row in self.rows)
         if notes:
             header += ("notes",)
         lines = [header]
-        for (scope, prim, decided, after, out, detail, source), rows in groups.items():
+        for (scope, prim, decided, before, after, out, detail, source), rows in groups.items():
             flops = sum(r.flops for r in rows)
             lines.append((
                 scope or "-", prim, str(sum(r.trip_count for r in rows)), decided,
-                ",".join(after) or "-", ",".join(out), str(sum(r.casts for r in rows)),
+                ",".join(before) or "-", ",".join(after) or "-", ",".join(out), str(sum(r.casts for r in rows)),
                 _si(flops) if flops else "", _short_source(source), *((detail,) if notes else ()),
             ))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -295,14 +298,18 @@ class AmpReport:
         return summary + "\n" + table
 
 
-_NUMBERED = re.compile(r"(?<=[A-Za-z_.])\d+|(?<=^)\d+")
+# An instance number: digits that make a whole name component, after ``_``
+# or ``.`` or alone, before the component's end.
+_NUMBERED = re.compile(r"(?:(?<=[_.])|^)\d+(?=$|[_.])")
 
 
 def _fold_scope(scope: str) -> str:
     """`scope` with its instance numbers as ``*``: ``layers_3/attn`` -> ``layers_*/attn``.
 
     Linen names instances ``Dense_3``; nnx module paths (see
-    `jaxamp.transform._nnx.module_scopes`) read ``blocks.3``.
+    `jaxamp.transform._nnx.module_scopes`) read ``blocks.3``; a path component
+    ``3`` is one too. Digits inside a name are not (``jnp.einsum``'s scope
+    ``bsd,3dkh->bs3kh``, ``conv3x3``).
     """
     return "/".join(_NUMBERED.sub("*", part) for part in scope.split("/"))
 

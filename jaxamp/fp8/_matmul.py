@@ -53,7 +53,8 @@ from .._jaxpr import MATMUL_NAMES, equation_flops, matmuls_in
 from ..transform import _site_state
 from ..transform._interpreter import HANDLERS, EquationRewrite, differentiation_depth, warn_once
 from ..transform._linearity import UNKNOWN, linear_operands
-from ..transform._rules import PolicyTable, Rule, use_compute_precision
+from ..transform._rules import PolicyTable, Rule, requested_accumulation, use_compute_precision
+from ..transform._scopes import MODE_ENTRY
 from ._differentiable import differentiable_matmul, tangent_product
 from ._partitioned import explicit_conv_layouts
 from ._quantize import E4M3, quantize
@@ -298,6 +299,10 @@ class Fp8MatmulRule:
         if not all(is_castable(d) for d in operands):
             names = " x ".join(dtype_short_name(d) for d in operands)
             return f"{names} operands (float8 takes float32, bfloat16 or float16)"
+        requested = requested_accumulation(original_dtypes, eqn.params)
+        if requested is not None:
+            names = " x ".join(dtype_short_name(d) for d in operands)
+            return f"the program asks for a {dtype_short_name(requested)} result of {names} operands"
         linear = linear_operands(eqn)
         if linear == UNKNOWN:
             reason = "in a jit, scan or cond nested in a custom_jvp rule, where amp cannot tell tangents from primals"
@@ -413,6 +418,10 @@ def _why_not_blocked(eqn: Any, lhs: Any, rhs: Any, scaling: str) -> str:
         if size % block:
             return f"{what} {size} is not a multiple of the block size {block}"
     return ""
+
+
+# fp8 mode's entries are amp's, not entries the user wrote (see `choose_rule`).
+setattr(Fp8MatmulRule, MODE_ENTRY, True)
 
 
 def with_fp8_matmuls(table: Mapping[Any, Rule], recipe: Fp8Recipe) -> PolicyTable:

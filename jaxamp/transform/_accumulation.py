@@ -33,6 +33,7 @@ from .._casting import dtype_of
 from .._jaxpr import MATMUL_NAMES
 from ._interpreter import EquationRewrite, warn_once
 from ._rules import PolicyTable, Rule, use_compute_precision
+from ._scopes import MODE_ENTRY
 
 __all__ = ["use_float32_accumulation", "with_float32_accumulation"]
 
@@ -90,6 +91,7 @@ def _rewrite_equation(compute_dtype, original_dtypes, eqn, *invars, **bind_param
 
 
 use_float32_accumulation.rewrite_equation = _rewrite_equation  # type: ignore[attr-defined]
+setattr(use_float32_accumulation, MODE_ENTRY, True)
 
 
 def with_float32_accumulation(table: Mapping[Any, Rule]) -> PolicyTable:

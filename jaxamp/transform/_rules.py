@@ -27,6 +27,7 @@ __all__ = [
     "PolicyTable",
     "Rule",
     "default_amp_policy",
+    "requested_accumulation",
     "use_compute_precision",
     "use_current_precision",
     "use_full_range_precision",
@@ -50,9 +51,26 @@ def _cast_operands(
     ]
 
 
-def _with_preferred_element_type(params: dict, dtype: Any) -> dict:
+def requested_accumulation(original_dtypes: Sequence[Any], params: Mapping[str, Any]) -> np.dtype | None:
+    """The wider result a matmul's program asked for, or None.
+
+    A ``preferred_element_type`` wider than every floating operand the program
+    gave the matmul (``jnp.einsum(a_bf16, b_bf16, preferred_element_type=float32)``,
+    the scores of ``jax.nn.dot_product_attention``) is a request the program
+    made explicitly; a float32 one on float32 operands is JAX's default, not
+    a request.
+    """
     preferred = params.get("preferred_element_type")
-    if preferred is not None and is_castable(preferred):
+    operands = [np.dtype(d) for d in original_dtypes[:2] if is_castable(d)]
+    if preferred is None or not is_castable(preferred) or not operands:
+        return None
+    preferred = np.dtype(preferred)
+    return preferred if all(d.itemsize < preferred.itemsize for d in operands) else None
+
+
+def _with_preferred_element_type(params: dict, dtype: Any, original_dtypes: Sequence[Any]) -> dict:
+    preferred = params.get("preferred_element_type")
+    if preferred is not None and is_castable(preferred) and requested_accumulation(original_dtypes, params) is None:
         params = dict(params, preferred_element_type=np.dtype(dtype))
     return params
 
@@ -62,10 +80,11 @@ def use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params
 
     Casts every float32/float16/bfloat16 operand to `compute_dtype` and, for
     matmuls and convolutions, accumulates into `compute_dtype`
-    (``preferred_element_type``).
+    (``preferred_element_type``), unless the program asked for a wider result
+    than its operands (`requested_accumulation`): that result is kept.
     """
     invars = _cast_operands(invars, original_dtypes, lambda _: compute_dtype)
-    return invars, _with_preferred_element_type(bind_params, compute_dtype)
+    return invars, _with_preferred_element_type(bind_params, compute_dtype, original_dtypes)
 
 
 def use_original_precision(compute_dtype, original_dtypes, *invars, **bind_params):

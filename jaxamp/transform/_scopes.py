@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ._rules import use_full_range_precision
+from ._rules import default_amp_policy, use_full_range_precision
 
 __all__ = [
     "AMP_DEFAULT",
@@ -20,6 +20,7 @@ __all__ = [
     "AMP_STATISTICS",
     "AMP_STOP",
     "AMP_TAIL",
+    "MODE_ENTRY",
     "RuleChoice",
     "amp_stop",
     "choose_rule",
@@ -35,6 +36,8 @@ AMP_RANGE = "amp_range"
 # The entry for the program's tail: what runs after its last matmul (see
 # `jaxamp.analyses._tail`).
 AMP_TAIL = "amp_tail"
+# The attribute that marks a rule an amp mode puts in place of a default entry.
+MODE_ENTRY = "jaxamp_mode_entry"
 
 
 @contextlib.contextmanager
@@ -74,7 +77,8 @@ class RuleChoice(NamedTuple):
     """The rule for one equation and which table entry supplied it."""
 
     rule: Callable
-    # "amp_stop", "scope:<name>", "tail", "statistics", "range", "primitive" or "amp_default"
+    # "amp_stop", "scope:<name>", "user", "tail", "statistics", "range",
+    # "primitive" (the default table's entry) or "amp_default"
     decided_by: str
 
 
@@ -88,14 +92,20 @@ def choose_rule(
 ) -> RuleChoice | None:
     """Pick the policy entry for an equation.
 
-    An active ``amp_stop`` wins, because it is the user's explicit off switch;
-    otherwise the outermost active scope with an entry; then, for an equation
-    in the program's tail (`tail`, after its last matmul), ``"amp_tail"``;
-    then, for an equation
-    computing normalisation statistics (`statistic`), ``"amp_statistics"``;
-    then, for a range-limited equation whose result is known to be bounded
-    (`bounded`) and whose primitive's entry is `use_full_range_precision`,
-    ``"amp_range"``; then the primitive's entry, then ``"amp_default"``.
+    What the user wrote comes before what amp infers. In order:
+
+    1. ``amp_stop``, when active: the user's explicit off switch;
+    2. the outermost active named scope with an entry;
+    3. the primitive's entry, where it differs from `default_amp_policy`'s
+       (an entry the user wrote: ``"user"``);
+    4. ``"amp_tail"``, for an equation of the program's loss (`tail`; see
+       `jaxamp.analyses._tail`);
+    5. ``"amp_statistics"``, for an equation computing normalisation
+       statistics (`statistic`);
+    6. ``"amp_range"``, for a range-limited equation whose result is known to
+       be bounded (`bounded`) and whose entry is `use_full_range_precision`;
+    7. the primitive's default entry (``"primitive"``), then ``"amp_default"``.
+
     Returns None when nothing matches (the caller keeps the original precision).
     """
     if AMP_STOP in scopes and AMP_STOP in policy:
@@ -103,11 +113,13 @@ def choose_rule(
     for scope in scopes:
         if scope in policy:
             return RuleChoice(policy[scope], f"scope:{scope}")
+    rule = policy.get(primitive)
+    if rule is not None and _written_by_user(rule, primitive):
+        return RuleChoice(rule, "user")
     if tail and AMP_TAIL in policy:
         return RuleChoice(policy[AMP_TAIL], "tail")
     if statistic and AMP_STATISTICS in policy:
         return RuleChoice(policy[AMP_STATISTICS], "statistics")
-    rule = policy.get(primitive)
     if bounded and AMP_RANGE in policy and rule is use_full_range_precision:
         return RuleChoice(policy[AMP_RANGE], "range")
     if rule is not None:
@@ -115,3 +127,9 @@ def choose_rule(
     if AMP_DEFAULT in policy:
         return RuleChoice(policy[AMP_DEFAULT], AMP_DEFAULT)
     return None
+
+
+def _written_by_user(rule: Callable, primitive: Any) -> bool:
+    # A mode of amp's own (fp8, float32 gradient reductions) replaces default
+    # entries with rules that say so (`MODE_ENTRY`); those are amp's too.
+    return rule is not default_amp_policy.get(primitive) and not getattr(rule, MODE_ENTRY, False)
