@@ -25,7 +25,7 @@ from .fp8._matmul import with_fp8_matmuls
 from .fp8._recipe import FP8_NAMES, Fp8Recipe, as_recipe
 from .transform import _higher_order, _nnx, _site_state  # noqa: F401  (_higher_order registers the handlers)
 from .transform._accumulation import with_float32_accumulation
-from .transform._interpreter import AmpContext, interpret
+from .transform._interpreter import HANDLERS, AmpContext, interpret
 from .transform._rules import PolicyTable, default_amp_policy, freeze
 
 __all__ = ["UNSET", "AmpOptions"]
@@ -258,6 +258,15 @@ def _check_policy_table(table: Any) -> Mapping[Any, Callable]:
             raise TypeError(
                 f"amp_policy[{key!r}] must be a rule function "
                 f"rule(compute_dtype, original_dtypes, *invars, **bind_params), got {rule!r}."
+            )
+        if key in HANDLERS and rule is not default_amp_policy.get(key):
+            # amp rewrites such a primitive's body equation by equation: a rule
+            # for the primitive itself would never be called.
+            raise ValueError(
+                f"amp_policy has an entry for {key.name!r}, a higher-order primitive whose body amp "
+                "rewrites equation by equation, so no rule is ever called for it. To choose the "
+                f"precision of everything inside, open a jax.named_scope around the {key.name} and "
+                "key your rule by the scope's name."
             )
     return table
 

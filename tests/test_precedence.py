@@ -235,3 +235,9 @@ def test_optax_loss_under_a_user_log_entry():
     logs = [r for r in rows if r.primitive == "log"]
     assert logs and all(r.decided_by == "user" and r.dtypes_after == ("bf16",) for r in logs)
     assert any(r.decided_by == "tail" for r in rows)
+
+
+def test_an_entry_for_a_higher_order_primitive_is_refused():
+    # amp interprets a scan's body; a rule for scan itself would never run.
+    with pytest.raises(ValueError, match="'scan', a higher-order primitive.*jax.named_scope"):
+        jaxamp.amp(lambda x: x, amp_policy=default_amp_policy | {lax.scan_p: jaxamp.use_original_precision})
