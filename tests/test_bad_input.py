@@ -160,7 +160,7 @@ MALFORMED_RESULTS = [
 @pytest.mark.parametrize("result, error, match", MALFORMED_RESULTS)
 def test_malformed_rule_result_names_the_rule(result, error, match):
     mixed = amp(matmul, amp_policy={lax.dot_general_p: rule_returning(result)})
-    with pytest.raises(error, match=f"rule_returning.<locals>.my_rule \\(chosen by primitive\\).*{match}"):
+    with pytest.raises(error, match=f"rule_returning.<locals>.my_rule \\(chosen by user\\).*{match}"):
         mixed(X)
 
 
