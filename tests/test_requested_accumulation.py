@@ -155,3 +155,18 @@ def test_flax_nnx_multi_head_attention_softmax_is_proven_bounded_under_f16():
     rows = jaxamp.explain(forward, compute_dtype="f16")(layer, x).rows
     exps = [r for r in rows if r.primitive == "exp"]
     assert exps and all(r.decided_by == "range" and r.dtypes_after == ("f16",) for r in exps), exps
+
+
+def test_a_dot_algorithm_the_operands_no_longer_fit_gives_way_to_the_default():
+    # dot_product_attention names BF16_BF16_F32 for bf16 operands; under f16
+    # amp the operands are float16, which that preset does not take.
+    q, k, v = _qkv(BF16)
+    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)  # noqa: E731
+    for compute_dtype, preset in (("bf16", lax.DotAlgorithmPreset.BF16_BF16_F32), ("f16", None)):
+        jaxpr = jax.make_jaxpr(jaxamp.amp(fn, compute_dtype=compute_dtype))(q, k, v)
+        scores = next(e for e in iter_eqns(jaxpr) if e.primitive is lax.dot_general_p)
+        assert scores.params["precision"] == preset
+        assert scores.outvars[0].aval.dtype == F32  # the accumulation the program asked for
+    out = jaxamp.amp(fn, compute_dtype="f16")(q, k, v)
+    assert out.dtype == BF16
+    np.testing.assert_allclose(out.astype(F32), fn(q, k, v).astype(F32), atol=3e-2)

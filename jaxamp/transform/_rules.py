@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -75,16 +76,38 @@ def _with_preferred_element_type(params: dict, dtype: Any, original_dtypes: Sequ
     return params
 
 
+def _with_algorithm(params: dict, dtype: Any) -> dict:
+    """`params` without a dot algorithm preset that cannot take `dtype` operands.
+
+    A program may name the algorithm of a matmul (``jax.nn.dot_product_attention``
+    asks for ``BF16_BF16_F32`` on bfloat16 operands). Where amp moves the
+    operands to a dtype the preset does not take (float16), the matmul runs
+    with the backend's default algorithm, its ``preferred_element_type``
+    deciding the accumulation, as JAX's attention itself falls back where its
+    preset is unsupported; presets for the other dtype (``F16_F16_F32``) are
+    not supported on every backend (not on CPU).
+    """
+    preset = params.get("precision")
+    if not isinstance(preset, jax.lax.DotAlgorithmPreset) or preset.supported_lhs_types is None:
+        return params
+    if np.dtype(dtype) in map(np.dtype, preset.supported_lhs_types):
+        return params
+    return dict(params, precision=None)
+
+
 def use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params):
     """Run the equation in `compute_dtype`.
 
     Casts every float32/float16/bfloat16 operand to `compute_dtype` and, for
     matmuls and convolutions, accumulates into `compute_dtype`
     (``preferred_element_type``), unless the program asked for a wider result
-    than its operands (`requested_accumulation`): that result is kept.
+    than its operands (`requested_accumulation`): that result is kept. A dot
+    algorithm the program named is kept where it takes `compute_dtype`
+    operands (`_with_algorithm`).
     """
     invars = _cast_operands(invars, original_dtypes, lambda _: compute_dtype)
-    return invars, _with_preferred_element_type(bind_params, compute_dtype, original_dtypes)
+    params = _with_preferred_element_type(bind_params, compute_dtype, original_dtypes)
+    return invars, _with_algorithm(params, compute_dtype)
 
 
 def use_original_precision(compute_dtype, original_dtypes, *invars, **bind_params):
