@@ -67,8 +67,8 @@ class Fp8Recipe:
             own scaling. ``"delayed"`` (Transformer Engine's
             ``DelayedScaling``): tensorwise, each scale from the amaxes of
             past steps (`amax_history_length`, `amax_compute_algo`,
-            `margin`), kept in a `jaxamp.Fp8State` that the step passes in
-            (``fn(*args, fp8_state=state)``, made by `jaxamp.init_fp8_state`)
+            `margin`), kept in a `jaxamp.fp8.Fp8State` that the step passes in
+            (``fn(*args, fp8_state=state)``, made by `jaxamp.fp8.init_fp8_state`)
             and updates from its gradient (`Fp8State.update`); README
             "## float8" shows the step. A matmul whose state cannot be
             threaded to it (inside a custom derivative rule) and a grouped
