@@ -12,7 +12,7 @@
                      `jaxamp.dynamic_scale_value_and_grad`, skipping the
                      optimizer step when the gradients are not finite
 ``amp_fp8``          ``jaxamp.amp(loss, compute_dtype="fp8")``: amp bf16 with
-                     float8 matmuls (current scaling; README "## float8")
+                     float8 matmuls (current scaling; docs/float8.md)
 ===================  =======================================================
 
 Each amp variant is compared with the hand-cast variant of its compute dtype

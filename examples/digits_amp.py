@@ -14,7 +14,7 @@ The same model, data order and initialisation run
   gradients overflow are skipped and the scale halved (`DynamicScalerState`);
 * under ``jaxamp.amp(loss, compute_dtype="fp8")``: bf16 mode with float8
   matmuls and convolutions (e4m3 operands scaled per tensor, e5m2 gradients;
-  see README "## float8"). The first convolution sums only 1 x 3 x 3 = 9
+  see docs/float8.md). The first convolution sums only 1 x 3 x 3 = 9
   products per output and stays bf16 (`jaxamp.fp8.Fp8Recipe.min_contraction`), and
   so does the logits layer, the program's last matmul (as torchao and
   torchtitan keep the output projection; `Fp8Recipe.keep_last_matmul_bf16`).
