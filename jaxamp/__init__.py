@@ -22,9 +22,8 @@ import warnings as _warnings  # private: dir(jaxamp) lists the API only
 # write `jaxamp.fp8.Fp8Recipe`.
 from . import diagnostics, fp8, monitoring, optim, policies, scaling, sharding
 from ._amp import amp
-from ._dtypes import half_dtype
 from .diagnostics import compare, explain, find_nonfinite
-from .policies import Policy, cast_to_full, cast_to_half, get_policy
+from .policies import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from .scaling import (
     DynamicLossScale,
     DynamicLossScaler,

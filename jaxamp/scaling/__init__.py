@@ -5,14 +5,16 @@
   and `dynamic_scale_tx`, the transform they are built on. It skips a non-finite
   step, or recomputes it with a smaller scale (``redo_on_nan``).
 - DeepMind jmp's loss scales: `DynamicLossScale`, `StaticLossScale`,
-  `NoOpLossScale` (all `LossScale`\\ s), with jmp's `register_empty_pytree` and
+  `NoOpLossScale` (the `LossScale` union), with jmp's `register_empty_pytree` and
   `warn_if_not_floating`.
 - `GradScaler`: PyTorch's ``torch.amp.GradScaler``, functional and jit-able.
 
-`all_finite` and `select_tree` decide and apply a step's finiteness on every
-device; `skip_nonfinite_updates` wraps an optax optimizer so that a non-finite
-step changes nothing (its state is a `SkipNonFiniteState`), and
-`apply_if_finite_updates` applies updates only where they are finite.
+`all_finite` says whether a pytree is free of inf and NaN, on every device,
+and `select_tree` takes one of two pytrees by it (jmp's pair).
+`skip_nonfinite_updates` wraps an optax optimizer so that a non-finite step
+changes nothing (its state is a `SkipNonFiniteState`), and
+`apply_if_finite_updates` applies the updates on a finite step and leaves the
+parameters' bits alone on a skipped one.
 
 The scalers, the jmp loss scales, `all_finite` and `select_tree` are also at
 the top level (`jaxamp.DynamicScalerState`...). The guide is
