@@ -20,7 +20,7 @@ import warnings as _warnings  # private: dir(jaxamp) lists the API only
 
 # The namespaces, bound as attributes so that `import jaxamp` is enough to
 # write `jaxamp.fp8.Fp8Recipe`.
-from . import diagnostics, fp8, monitoring, optim, policies, scaling, sharding
+from . import diagnostics, fp8, monitoring, optim, policies, scaling, sharding  # noqa: F401
 from ._amp import amp
 from .diagnostics import compare, explain, find_nonfinite
 from .policies import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
@@ -50,12 +50,30 @@ from .transform._rules import (
 from .transform._scopes import amp_stop
 
 # The namespaces are not in `__all__`: `from jaxamp import *` brings the names,
-# and the namespaces are one attribute away.
+# and the namespaces are one attribute away. The groups are the module docstring's.
 __all__ = [
-    # The transform and its policy table.
+    "DynamicLossScale",
+    "DynamicLossScaler",
+    "DynamicScalerState",
+    "GradScaler",
+    "LossScale",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "all_finite",
     "amp",
     "amp_stop",
+    "cast_to_full",
+    "cast_to_half",
+    "compare",
     "default_amp_policy",
+    "dynamic_scale_grad",
+    "dynamic_scale_value_and_grad",
+    "explain",
+    "find_nonfinite",
+    "get_policy",
+    "half_dtype",
+    "select_tree",
     "use_compute_precision",
     "use_current_precision",
     "use_full_range_precision",
@@ -63,28 +81,6 @@ __all__ = [
     "use_original_precision",
     "use_precision",
     "use_widest_precision",
-    # Loss scaling: jaxamp's scaler, jmp's loss scales, PyTorch's GradScaler.
-    "DynamicLossScale",
-    "DynamicLossScaler",
-    "DynamicScalerState",
-    "GradScaler",
-    "LossScale",
-    "NoOpLossScale",
-    "StaticLossScale",
-    "all_finite",
-    "dynamic_scale_grad",
-    "dynamic_scale_value_and_grad",
-    "select_tree",
-    # jmp's policies.
-    "Policy",
-    "cast_to_full",
-    "cast_to_half",
-    "get_policy",
-    "half_dtype",
-    # Diagnostics.
-    "compare",
-    "explain",
-    "find_nonfinite",
 ]
 
 # Names that were at the top level in 0.1.0 and now live in a namespace: the old

@@ -177,7 +177,7 @@ def test_a_moved_name_lives_in_its_namespace_and_warns_at_the_top(name, namespac
     assert found is getattr(module, name)
     assert w[0].filename == __file__  # blamed on the caller's line, not on jaxamp
     with pytest.warns(DeprecationWarning, match=rf"jaxamp\.{namespace}\.{name}\b"):
-        exec(f"from jaxamp import {name}", {})
+        exec(f"from jaxamp import {name}", {})  # noqa: S102  (the statement itself is what is tested)
 
 
 def test_an_unknown_name_is_an_attribute_error():
@@ -196,5 +196,5 @@ def test_star_import_takes_the_top_level_without_warnings():
         "assert not missing, missing\n"
         "assert 'Fp8Recipe' not in globals() and 'fp8' not in globals()\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
