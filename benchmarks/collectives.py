@@ -105,7 +105,7 @@ def _delayed_step(mode: str, scaled: bool, float32_reductions: bool, mesh, recip
     the amax histories too (the step's observed amaxes), which start as a constant."""
     assert mode == "jit" and not scaled and not float32_reductions
     loss = jaxamp.amp(_loss, compute_dtype=recipe)
-    histories = jaxamp.init_fp8_state(loss, _params(), jnp.ones((BATCH, D)))
+    histories = jaxamp.fp8.init_fp8_state(loss, _params(), jnp.ones((BATCH, D)))
 
     def grads_of(params, x, state):
         value, (grads, observed) = jax.value_and_grad(

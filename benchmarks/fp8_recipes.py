@@ -2,7 +2,7 @@
 
     python -m benchmarks.fp8_recipes          # from the repository root
 
-For each `jaxamp.Fp8Recipe(scaling=...)` (and bf16 mode for reference):
+For each `jaxamp.fp8.Fp8Recipe(scaling=...)` (and bf16 mode for reference):
 
 * a linear layer, torchao's accuracy test: ``x[2048, 1024] @ w[1024, 1024]``
   (normal entries), the output's and the weight gradient's signal-to-quantisation
@@ -40,7 +40,7 @@ __all__ = ["RECIPES", "main", "sqnr_db"]
 
 RECIPES = {
     "bf16": "bf16",
-    **{scaling: jaxamp.Fp8Recipe(scaling=scaling) for scaling in
+    **{scaling: jaxamp.fp8.Fp8Recipe(scaling=scaling) for scaling in
        ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", "delayed")},
 }  # fmt: skip
 ACCURACY_RECIPES = {name: recipe for name, recipe in RECIPES.items() if name != "delayed"}
@@ -53,9 +53,9 @@ first step bit for bit); its accuracy is a training figure (`examples/char_lm.py
 def _with_state(loss, recipe, *args):
     """`loss` as ``f(state, *args)`` (the state its first argument, differentiated) and a state, for
     the delayed recipe; otherwise ``(f(None, *args), None)``."""
-    if not (isinstance(recipe, jaxamp.Fp8Recipe) and recipe.scaling == "delayed"):
+    if not (isinstance(recipe, jaxamp.fp8.Fp8Recipe) and recipe.scaling == "delayed"):
         return (lambda state, *a: loss(*a)), None
-    return (lambda state, *a: loss(*a, fp8_state=state)), jaxamp.init_fp8_state(loss, *args)
+    return (lambda state, *a: loss(*a, fp8_state=state)), jaxamp.fp8.init_fp8_state(loss, *args)
 
 
 def sqnr_db(reference, value) -> float:
@@ -68,7 +68,7 @@ def sqnr_db(reference, value) -> float:
 
 def _as_last_matmul_too(compute_dtype):
     # A single linear layer is its program's last matmul, which recipes keep in bf16 by default.
-    if isinstance(compute_dtype, jaxamp.Fp8Recipe):
+    if isinstance(compute_dtype, jaxamp.fp8.Fp8Recipe):
         import dataclasses
 
         return dataclasses.replace(compute_dtype, keep_last_matmul_bf16=False)

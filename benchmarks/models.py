@@ -4,7 +4,7 @@
 `MLP` a stack of dense layers (the eager-overhead benchmark calls it outside any
 jit). All are `equinox.Module`s whose leaves are all arrays (hyperparameters are
 static fields), so a model *is* its parameter pytree: it can go straight into
-`jax.value_and_grad`, `jax.jit`, `jaxamp.amp` or `jaxamp.cast_floating`, and
+`jax.value_and_grad`, `jax.jit`, `jaxamp.amp` or `jaxamp.policies.cast_floating`, and
 `equinox.filter_eval_shape` gives its abstract shape without allocating it.
 
 All are written as plain float32 code. What the benchmarks vary is only how the
@@ -132,7 +132,7 @@ class Block(eqx.Module):
 
     def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
         b, t, d = x.shape
-        # Named scopes: what `jaxamp.monitor` and `jaxamp.compare` report by.
+        # Named scopes: what `jaxamp.monitoring.monitor` and `jaxamp.compare` report by.
         with jax.named_scope("attention"):
             q, k, v = jnp.split(self.qkv(_per_token(self.ln1, x)), 3, axis=-1)
             split_heads = lambda y: y.reshape(b, t, self.n_heads, d // self.n_heads)  # noqa: E731

@@ -5,7 +5,7 @@
 The step is the benchmarks' GPT (`benchmarks.models.GPT`, layers under
 `lax.scan`) with AdamW, in a variant of `benchmarks.variants` (``amp_bf16``
 and ``amp_f16_scaled`` by default), jitted and compiled. The monitored step
-is ``jaxamp.monitor(step)``: the same step, returning its statistics (every
+is ``jaxamp.monitoring.monitor(step)``: the same step, returning its statistics (every
 low-precision matmul's operands and result and every value a named scope hands
 on, forward and backward). Both are timed in alternation, each step with
 `jax.block_until_ready`; the figure is the ratio of the medians. The target is
@@ -55,7 +55,7 @@ def overhead(shape: str = "cpu", variant: str = "amp_bf16", steps: int = 10, war
     scaler = VARIANTS[variant].init_scaler()
     args = (params, opt_state, scaler, *data)
     compiled, compile_s = {}, {}
-    for name, fn in (("plain", step), ("monitored", jaxamp.monitor(step))):
+    for name, fn in (("plain", step), ("monitored", jaxamp.monitoring.monitor(step))):
         start = time.perf_counter()
         compiled[name] = jax.jit(fn).lower(*args).compile()
         compile_s[name] = time.perf_counter() - start

@@ -107,7 +107,7 @@ def measure(config: GPTConfig = GPT2_SMALL) -> dict[str, dict[str, float]]:
     results = {}
     for name, precision in PRECISIONS.items():
         params = eqx.filter_eval_shape(
-            lambda dtype: jaxamp.cast_floating(GPT(config, key=jax.random.key(0)), dtype),
+            lambda dtype: jaxamp.policies.cast_floating(GPT(config, key=jax.random.key(0)), dtype),
             precision.param_dtype,
         )
         n = sum(leaf.size for leaf in jax.tree.leaves(params))

@@ -47,7 +47,7 @@ def time_training(workload: Workload, variant_key: str, steps: int, warmup: int)
     params, *batch = workload.concrete_args()
     step, optimizer = variant.train_step(workload.loss_fn, optax.adamw(1e-4))
     # Copied leaf by leaf: optimizer states may hold one array in two places
-    # (jaxamp.skip_nonfinite_updates' two zero counters), which cannot be donated.
+    # (jaxamp.scaling.skip_nonfinite_updates' two zero counters), which cannot be donated.
     opt_state = jax.tree_util.tree_map(jnp.copy, optimizer.init(params))
     scaler = variant.init_scaler()
     start = time.perf_counter()

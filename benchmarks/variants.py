@@ -12,7 +12,7 @@
                      `jaxamp.dynamic_scale_value_and_grad`, skipping the
                      optimizer step when the gradients are not finite
 ``amp_fp8``          ``jaxamp.amp(loss, compute_dtype="fp8")``: amp bf16 with
-                     float8 matmuls (current scaling; README "## float8")
+                     float8 matmuls (current scaling; docs/float8.md)
 ===================  =======================================================
 
 Each amp variant is compared with the hand-cast variant of its compute dtype
@@ -109,18 +109,18 @@ class Variant:
         Returns:
             ``(step, optimizer)``; initialise the optimizer state with the
             returned optimizer (for scaled variants it is wrapped in
-            `jaxamp.skip_nonfinite_updates`). ``step`` returns
+            `jaxamp.scaling.skip_nonfinite_updates`). ``step`` returns
             ``(params, opt_state, scaler, loss)``.
         """
         grad_fn = self.value_and_grad(loss_fn)
         if self.scaled:
-            optimizer = jaxamp.skip_nonfinite_updates(optimizer)
+            optimizer = jaxamp.scaling.skip_nonfinite_updates(optimizer)
 
         def step(params: Any, opt_state: Any, scaler: Any, *batch: Any):
             value, grads, scaler = grad_fn(scaler, params, *batch)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             if self.scaled:
-                params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+                params = jaxamp.scaling.apply_if_finite_updates(params, updates, opt_state.last_finite)
             else:
                 params = optax.apply_updates(params, updates)
             return params, opt_state, scaler, value

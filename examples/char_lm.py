@@ -12,10 +12,10 @@ blocks with causal attention and layer norm, stacked and run under
 
 By default two runs start from the same weights and see the same batches; the
 only difference is ``jaxamp.amp(loss, compute_dtype="bf16")``. ``--modes`` picks
-other runs: ``amp fp8`` runs the matmuls in float8 (`jaxamp.Fp8Recipe`'s
+other runs: ``amp fp8`` runs the matmuls in float8 (`jaxamp.fp8.Fp8Recipe`'s
 current scaling; float8 is emulated on CPU, so it is slower there), ``amp fp8
 rowwise``, ``amp fp8 mxfp8``, ``amp fp8 blockwise`` and ``amp fp8 delayed``
-with those scaling recipes (the delayed one threads its `jaxamp.Fp8State`
+with those scaling recipes (the delayed one threads its `jaxamp.fp8.Fp8State`
 of amax histories through the steps, the evaluations and the sampling); the
 ``bf16 ...`` modes also store the parameters and AdamW's state in bfloat16
 with `jaxamp.optim` (see `benchmarks.optimizer_memory.PRECISIONS`), rounding
@@ -23,11 +23,11 @@ stochastically, with a Kahan buffer, or to nearest. Every
 ``--print-every`` steps the training and validation losses are printed next to
 each other, and at the end each model continues a few prompts.
 
-``--monitor DIR`` runs the amp modes' steps under `jaxamp.monitor` and records
-their numerics every ``--monitor-every`` steps (`jaxamp.MonitorRecorder`):
+``--monitor DIR`` runs the amp modes' steps under `jaxamp.monitoring.monitor` and records
+their numerics every ``--monitor-every`` steps (`jaxamp.monitoring.MonitorRecorder`):
 at the end each run's report (``DIR/<mode>.html`` and ``.png``: headroom and
 underflow of every scope over the steps, worst first; ``<mode>-as-float16.png``
-against float16's range) is written and the policy `jaxamp.suggest_policy`
+against float16's range) is written and the policy `jaxamp.monitoring.suggest_policy`
 reads off the records is printed.
 """
 
@@ -54,10 +54,10 @@ MODES = {
     "float32": (None, "float32"),
     "amp bf16": ("bf16", "float32"),
     "amp fp8": ("fp8", "float32"),
-    "amp fp8 rowwise": (jaxamp.Fp8Recipe(scaling="rowwise"), "float32"),
-    "amp fp8 mxfp8": (jaxamp.Fp8Recipe(scaling="mxfp8"), "float32"),
-    "amp fp8 blockwise": (jaxamp.Fp8Recipe(scaling="blockwise"), "float32"),
-    "amp fp8 delayed": (jaxamp.Fp8Recipe(scaling="delayed"), "float32"),
+    "amp fp8 rowwise": (jaxamp.fp8.Fp8Recipe(scaling="rowwise"), "float32"),
+    "amp fp8 mxfp8": (jaxamp.fp8.Fp8Recipe(scaling="mxfp8"), "float32"),
+    "amp fp8 blockwise": (jaxamp.fp8.Fp8Recipe(scaling="blockwise"), "float32"),
+    "amp fp8 delayed": (jaxamp.fp8.Fp8Recipe(scaling="delayed"), "float32"),
     "bf16 stochastic": ("bf16", "bf16 stochastic"),
     "bf16 kahan": ("bf16", "bf16 kahan"),
     "bf16 nearest": ("bf16", "bf16 nearest"),
@@ -97,15 +97,15 @@ def sample_batch(data: np.ndarray, rng: np.random.Generator, batch: int, seq_len
 
 def is_delayed(compute_dtype) -> bool:
     """Whether `compute_dtype` is fp8's delayed recipe, whose amax histories the steps thread."""
-    return isinstance(compute_dtype, jaxamp.Fp8Recipe) and compute_dtype.scaling == "delayed"
+    return isinstance(compute_dtype, jaxamp.fp8.Fp8Recipe) and compute_dtype.scaling == "delayed"
 
 
 def make_train_step(compute_dtype, optimizer: optax.GradientTransformation, monitor: bool = False):
     """A jitted ``step(model, opt_state, fp8_state, tokens, targets) -> (model, opt_state, fp8_state, loss)``,
     and ``loss(model, tokens, targets, fp8_state)``.
 
-    `fp8_state` is the delayed fp8 recipe's `jaxamp.Fp8State` (`init_state`),
-    None in the other modes. With `monitor`, the step is `jaxamp.monitor`'d:
+    `fp8_state` is the delayed fp8 recipe's `jaxamp.fp8.Fp8State` (`init_state`),
+    None in the other modes. With `monitor`, the step is `jaxamp.monitoring.monitor`'d:
     it returns ``((model, opt_state, fp8_state, loss), stats)``.
     """
     loss = lm_loss if compute_dtype is None else jaxamp.amp(lm_loss, compute_dtype=compute_dtype)
@@ -127,14 +127,14 @@ def make_train_step(compute_dtype, optimizer: optax.GradientTransformation, moni
     def evaluate(model, tokens, targets, fp8_state):
         return loss(model, tokens, targets) if fp8_state is None else loss(model, tokens, targets, fp8_state=fp8_state)
 
-    return eqx.filter_jit(jaxamp.monitor(step) if monitor else step), eqx.filter_jit(evaluate)
+    return eqx.filter_jit(jaxamp.monitoring.monitor(step) if monitor else step), eqx.filter_jit(evaluate)
 
 
 def init_state(compute_dtype, model: GPT, tokens, targets):
     """The delayed fp8 recipe's empty amax histories for `model`'s loss (None in other modes)."""
     if not is_delayed(compute_dtype):
         return None
-    return jaxamp.init_fp8_state(jaxamp.amp(lm_loss, compute_dtype=compute_dtype), model, tokens, targets)
+    return jaxamp.fp8.init_fp8_state(jaxamp.amp(lm_loss, compute_dtype=compute_dtype), model, tokens, targets)
 
 
 def generate(
@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--monitor",
         type=Path,
         default=None,
-        help="monitor the amp runs' numerics (jaxamp.monitor) and write each run's records "
+        help="monitor the amp runs' numerics (jaxamp.monitoring.monitor) and write each run's records "
         "(<mode>.jsonl), report (<mode>.html, <mode>.png) and suggested policy to this directory",
     )
     parser.add_argument(
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         precision = PRECISIONS[storage]
         # Every mode draws its stochastic rounding from the same seed.
         wrapped = precision.wrap(optimizer, jax.random.key(args.seed))
-        model = jaxamp.cast_floating(init, precision.param_dtype)
+        model = jaxamp.policies.cast_floating(init, precision.param_dtype)
         monitored = args.monitor is not None and dtype is not None
         step, loss = make_train_step(dtype, wrapped, monitor=monitored)
         example = sample_batch(train_data, np.random.default_rng(0), args.batch_size, args.seq_len)
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.monitor.mkdir(parents=True, exist_ok=True)
             path = args.monitor / f"{_slug(name)}.jsonl"
             path.unlink(missing_ok=True)
-            runs[name]["recorder"] = jaxamp.MonitorRecorder(every=args.monitor_every, path=path)
+            runs[name]["recorder"] = jaxamp.monitoring.MonitorRecorder(every=args.monitor_every, path=path)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(init))
     print(
         f"JAX {jax.__version__} on {jax.devices()[0].device_kind}; corpus {len(data):,} bytes of "
@@ -350,15 +350,15 @@ def _slug(name: str) -> str:
     return name.replace(" ", "_")
 
 
-def _report(name: str, recorder: jaxamp.MonitorRecorder, directory: Path) -> dict:
+def _report(name: str, recorder: jaxamp.monitoring.MonitorRecorder, directory: Path) -> dict:
     """Write one monitored run's report; print its worst scopes and the suggested policy."""
     recorder.close()
-    html = jaxamp.monitor_report(recorder, directory / f"{_slug(name)}.html")
-    png = jaxamp.monitor_report(recorder, directory / f"{_slug(name)}.png")
+    html = jaxamp.monitoring.monitor_report(recorder, directory / f"{_slug(name)}.html")
+    png = jaxamp.monitoring.monitor_report(recorder, directory / f"{_slug(name)}.png")
     # bfloat16 and float8 have float32's range: what float16 would meet is the question.
-    as_f16 = jaxamp.monitor_report(recorder, directory / f"{_slug(name)}-as-float16.png", against="float16")
+    as_f16 = jaxamp.monitoring.monitor_report(recorder, directory / f"{_slug(name)}-as-float16.png", against="float16")
     _, scopes, _, _ = jaxamp.monitoring.summarize(recorder)
-    suggestion = jaxamp.suggest_policy(recorder)
+    suggestion = jaxamp.monitoring.suggest_policy(recorder)
     print(f"\n--- numerics of {name} (report: {html}, {png}, {as_f16}) ---")
     for s in scopes[:5]:
         print(

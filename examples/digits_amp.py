@@ -14,8 +14,8 @@ The same model, data order and initialisation run
   gradients overflow are skipped and the scale halved (`DynamicScalerState`);
 * under ``jaxamp.amp(loss, compute_dtype="fp8")``: bf16 mode with float8
   matmuls and convolutions (e4m3 operands scaled per tensor, e5m2 gradients;
-  see README "## float8"). The first convolution sums only 1 x 3 x 3 = 9
-  products per output and stays bf16 (`jaxamp.Fp8Recipe.min_contraction`), and
+  see docs/float8.md). The first convolution sums only 1 x 3 x 3 = 9
+  products per output and stays bf16 (`jaxamp.fp8.Fp8Recipe.min_contraction`), and
   so does the logits layer, the program's last matmul (as torchao and
   torchtitan keep the output projection; `Fp8Recipe.keep_last_matmul_bf16`).
 
@@ -116,7 +116,7 @@ def make_train_step(compute_dtype: str | None, optimizer: optax.GradientTransfor
             # below, and the scale halved for the next one.
             grad_fn = jaxamp.dynamic_scale_value_and_grad(loss, redo_on_nan=0)
             scaler, (value, grads) = grad_fn(model, images, labels, dynamic_scaler_state=scaler)
-        # For float16 `optimizer` is wrapped in jaxamp.skip_nonfinite_updates: on
+        # For float16 `optimizer` is wrapped in jaxamp.scaling.skip_nonfinite_updates: on
         # a non-finite step it returns zero updates and keeps its state as it was.
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), opt_state, scaler, value
@@ -166,7 +166,7 @@ def train(
     optimizer = optax.adam(lr)
     scaler = None
     if compute_dtype == "f16":
-        optimizer = jaxamp.skip_nonfinite_updates(optimizer)
+        optimizer = jaxamp.scaling.skip_nonfinite_updates(optimizer)
         scaler = jaxamp.DynamicScalerState(patience=patience)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     step = make_train_step(compute_dtype, optimizer)

@@ -7,7 +7,7 @@
 
 An MLP learns scikit-learn's 8x8 digits under ``jaxamp.amp(loss,
 compute_dtype="f16")`` with jaxamp's dynamic loss scaler and
-`jaxamp.skip_nonfinite_updates`. Every ``--poison-every``-th batch carries a NaN
+`jaxamp.scaling.skip_nonfinite_updates`. Every ``--poison-every``-th batch carries a NaN
 pixel, so some steps are skipped (parameters, optimizer state and the data
 order do not move; the scale shrinks once).
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = eqx.nn.MLP(64, 10, width_size=128, depth=2, key=jax.random.PRNGKey(args.seed))
     params, static = eqx.partition(model, eqx.is_array)  # Orbax saves the arrays
-    optimizer = jaxamp.skip_nonfinite_updates(optax.adam(3e-3))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.adam(3e-3))
     grad_fn = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16"))
 
     @jax.jit
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         scaler, (loss, grads) = grad_fn(model, images, labels, dynamic_scaler_state=scaler)
         grads = eqx.filter(grads, eqx.is_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+        params = jaxamp.scaling.apply_if_finite_updates(params, updates, opt_state.last_finite)
         return {"params": params, "opt_state": opt_state, "scaler": scaler}, loss
 
     state = {

@@ -1,27 +1,42 @@
 """jaxamp: automatic mixed precision for JAX.
 
-`amp` is the transform; the rest are loss scaling, precision policies, diagnostics
-and (in `jaxamp.sharding`) multi-device helpers.
+The top level holds what a first training step needs: `amp` and its policy
+table (`default_amp_policy`, the ``use_*`` rules, `amp_stop`), the loss
+scalers for float16 (jaxamp's `DynamicScalerState`, jmp's loss scales,
+PyTorch's `GradScaler`), jmp's `Policy` helpers, and the three diagnostics
+`explain`, `find_nonfinite` and `compare`. Feature families live in their
+namespaces, each with its guide under docs/:
+
+- `jaxamp.fp8`: float8 recipes and the delayed recipe's state;
+- `jaxamp.scaling`: every loss-scaling name, the optax wrappers included;
+- `jaxamp.diagnostics`: the diagnostics and their report types;
+- `jaxamp.monitoring`: the numerics monitor;
+- `jaxamp.policies`: policies and dtype helpers;
+- `jaxamp.optim`: low-precision parameters and optimizer state;
+- `jaxamp.sharding`: mesh and partitioning helpers.
 """
 
-from ._dtypes import cast_floating, half_dtype, parse_dtype
+import warnings as _warnings  # private: dir(jaxamp) lists the API only
 
-__all__ = [
-    "cast_floating",
-    "half_dtype",
-    "parse_dtype",
-]
-
-# Policies
-from .policies._policy import Policy, cast_to_full, cast_to_half, get_policy
-
-__all__ += ["Policy", "cast_to_full", "cast_to_half", "get_policy"]
-
-# The transform
-from ._amp import amp, init_fp8_state
-from .fp8._differentiable import Fp8HigherOrderError
-from .fp8._recipe import Fp8Recipe
-from .fp8._state import Fp8State
+# The namespaces, bound as attributes so that `import jaxamp` is enough to
+# write `jaxamp.fp8.Fp8Recipe`.
+from . import diagnostics, fp8, monitoring, optim, policies, scaling, sharding  # noqa: F401
+from ._amp import amp
+from .diagnostics import compare, explain, find_nonfinite
+from .policies import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
+from .scaling import (
+    DynamicLossScale,
+    DynamicLossScaler,
+    DynamicScalerState,
+    GradScaler,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    dynamic_scale_grad,
+    dynamic_scale_value_and_grad,
+    select_tree,
+)
 from .transform._rules import (
     default_amp_policy,
     use_compute_precision,
@@ -34,14 +49,31 @@ from .transform._rules import (
 )
 from .transform._scopes import amp_stop
 
-__all__ += [
-    "Fp8HigherOrderError",
-    "Fp8Recipe",
-    "Fp8State",
+# The namespaces are not in `__all__`: `from jaxamp import *` brings the names,
+# and the namespaces are one attribute away. The groups are the module docstring's.
+__all__ = [
+    "DynamicLossScale",
+    "DynamicLossScaler",
+    "DynamicScalerState",
+    "GradScaler",
+    "LossScale",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "all_finite",
     "amp",
     "amp_stop",
+    "cast_to_full",
+    "cast_to_half",
+    "compare",
     "default_amp_policy",
-    "init_fp8_state",
+    "dynamic_scale_grad",
+    "dynamic_scale_value_and_grad",
+    "explain",
+    "find_nonfinite",
+    "get_policy",
+    "half_dtype",
+    "select_tree",
     "use_compute_precision",
     "use_current_precision",
     "use_full_range_precision",
@@ -51,84 +83,47 @@ __all__ += [
     "use_widest_precision",
 ]
 
-# Loss scaling
-from .scaling._dynamic_scaler import (
-    DynamicLossScaler,
-    DynamicScalerState,
-    dynamic_scale_grad,
-    dynamic_scale_tx,
-    dynamic_scale_value_and_grad,
-)
-from .scaling._finite import all_finite, select_tree
-from .scaling._grad_scaler import GradScaler
-from .scaling._loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    register_empty_pytree,
-    warn_if_not_floating,
-)
-from .scaling._optax import (
-    SkipNonFiniteState,
-    apply_if_finite_updates,
-    skip_nonfinite_updates,
-)
+# Names that were at the top level in 0.1.0 and now live in a namespace: the old
+# spelling still works, for one release, with a DeprecationWarning naming the
+# new place (equinox's and optax's way of moving names). Not in `dir(jaxamp)`,
+# so completion offers only the current spellings.
+_MOVED = {
+    "Fp8HigherOrderError": "fp8",
+    "Fp8Recipe": "fp8",
+    "Fp8State": "fp8",
+    "init_fp8_state": "fp8",
+    "MonitorRecorder": "monitoring",
+    "MonitorStats": "monitoring",
+    "PolicySuggestion": "monitoring",
+    "monitor": "monitoring",
+    "monitor_report": "monitoring",
+    "suggest_policy": "monitoring",
+    "AmpReport": "diagnostics",
+    "AmpRow": "diagnostics",
+    "ComparisonReport": "diagnostics",
+    "GradientError": "diagnostics",
+    "NonFiniteReport": "diagnostics",
+    "ScopeError": "diagnostics",
+    "SkipNonFiniteState": "scaling",
+    "apply_if_finite_updates": "scaling",
+    "dynamic_scale_tx": "scaling",
+    "register_empty_pytree": "scaling",
+    "skip_nonfinite_updates": "scaling",
+    "warn_if_not_floating": "scaling",
+    "cast_floating": "policies",
+    "parse_dtype": "policies",
+}
 
-__all__ += [
-    "DynamicLossScale",
-    "DynamicLossScaler",
-    "DynamicScalerState",
-    "GradScaler",
-    "LossScale",
-    "NoOpLossScale",
-    "SkipNonFiniteState",
-    "StaticLossScale",
-    "all_finite",
-    "apply_if_finite_updates",
-    "dynamic_scale_grad",
-    "dynamic_scale_tx",
-    "dynamic_scale_value_and_grad",
-    "register_empty_pytree",
-    "select_tree",
-    "skip_nonfinite_updates",
-    "warn_if_not_floating",
-]
 
-# Diagnostics
-from .diagnostics._compare import ComparisonReport, GradientError, ScopeError, compare
-from .diagnostics._explain import (
-    AmpReport,
-    AmpRow,
-    NonFiniteReport,
-    explain,
-    find_nonfinite,
-)
-
-__all__ += [
-    "AmpReport",
-    "AmpRow",
-    "ComparisonReport",
-    "GradientError",
-    "NonFiniteReport",
-    "ScopeError",
-    "compare",
-    "explain",
-    "find_nonfinite",
-]
-
-# The numerics monitor
-from .monitoring import (
-    MonitorRecorder,
-    MonitorStats,
-    PolicySuggestion,
-    monitor,
-    monitor_report,
-    suggest_policy,
-)
-
-__all__ += ["MonitorRecorder", "MonitorStats", "PolicySuggestion", "monitor", "monitor_report", "suggest_policy"]
-
-from . import monitoring, optim, sharding  # noqa: E402  (jaxamp.monitoring, jaxamp.optim, jaxamp.sharding after `import jaxamp`)
-
-__all__ += ["monitoring", "optim", "sharding"]
+def __getattr__(name: str) -> object:
+    # Called only for names this module does not define: the moved ones.
+    namespace = _MOVED.get(name)
+    if namespace is None:
+        raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")
+    _warnings.warn(
+        f"jaxamp.{name} has moved to jaxamp.{namespace}.{name}; the old spelling is deprecated "
+        "and will be removed in the next release.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(globals()[namespace], name)

@@ -7,13 +7,11 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import equinox as eqx
-
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
 
-__all__ = ["amp", "init_fp8_state"]
+__all__ = ["amp"]
 
 
 def amp(
@@ -51,8 +49,8 @@ def amp(
             static, as `equinox.filter_make_jaxpr` treats them.
         compute_dtype: the low-precision dtype (``jnp.float16`` by default,
             ``jnp.bfloat16``, or a name: ``"bf16"``, ``"f16"``, ``"half"``...),
-            or fp8 mode: ``"fp8"`` (``"float8"``) or a `jaxamp.Fp8Recipe`,
-            which computes in bfloat16 with float8 matmuls (README "## float8").
+            or fp8 mode: ``"fp8"`` (``"float8"``) or a `jaxamp.fp8.Fp8Recipe`,
+            which computes in bfloat16 with float8 matmuls (docs/float8.md).
         amp_policy: the rule table, keyed by primitive (``jax.lax.add_p``) or by
             `jax.named_scope` name; `default_amp_policy` when omitted.
         policy: a `jaxamp.Policy` or policy string (``"p=f32,c=bf16,o=f32"``):
@@ -69,7 +67,7 @@ def amp(
     Returns:
         The mixed-precision function (or a decorator when `fn` is omitted).
         With ``Fp8Recipe(scaling="delayed")`` it takes one more keyword
-        argument, ``fp8_state=`` (a `jaxamp.Fp8State`, see `init_fp8_state`),
+        argument, ``fp8_state=`` (a `jaxamp.fp8.Fp8State`, see `jaxamp.fp8.init_fp8_state`),
         and is never cached eagerly.
 
     Raises:
@@ -106,61 +104,13 @@ def amp(
             raise TypeError(
                 "fp8_state= is the amax histories of Fp8Recipe(scaling='delayed'); this function was made by "
                 f"jaxamp.amp with {options.fp8 or options.compute_dtype.name!r}, which keeps no state. Pass "
-                "compute_dtype=jaxamp.Fp8Recipe(scaling='delayed') to amp, or drop fp8_state."
+                "compute_dtype=jaxamp.fp8.Fp8Recipe(scaling='delayed') to amp, or drop fp8_state."
             )
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]
-    amp_fn._jaxamp_amp = (options, fn)  # type: ignore[attr-defined]  # for `init_fp8_state`
+    amp_fn._jaxamp_amp = (options, fn)  # type: ignore[attr-defined]  # for `jaxamp.fp8.init_fp8_state`
     return amp_fn
-
-
-def init_fp8_state(amp_fn: Callable, *args: Any, **kwargs: Any) -> Fp8State:
-    """The empty amax histories of an amp'd function under ``Fp8Recipe(scaling="delayed")``.
-
-    Traces ``amp_fn(*args, **kwargs)`` (nothing runs; arguments may be
-    `jax.ShapeDtypeStruct` leaves) and makes one history per float8 matmul,
-    zeros: the first step scales by the live amaxes. Pass the state to every
-    call, ``amp_fn(*args, fp8_state=state, **kwargs)``, and update it from its
-    gradient (README "## float8"):
-
-        loss = jaxamp.amp(loss_fn, compute_dtype=jaxamp.Fp8Recipe(scaling="delayed"))
-        state = jaxamp.init_fp8_state(loss, params, batch)
-
-        @jax.jit
-        def step(params, opt_state, state, batch):
-            value, (grads, observed) = jax.value_and_grad(
-                lambda p, s: loss(p, batch, fp8_state=s), argnums=(0, 1)
-            )(params, state)
-            ...
-            return params, opt_state, state.update(observed)
-
-    Args:
-        amp_fn: what `amp` returned, with the delayed recipe.
-        *args, **kwargs: arguments as the step passes them (their shapes
-            decide the program, and a scan's length how many histories its
-            matmuls get).
-
-    Returns:
-        An `Fp8State`.
-
-    Raises:
-        TypeError: `amp_fn` is not an amp'd function with the delayed recipe.
-    """
-    found = getattr(amp_fn, "_jaxamp_amp", None)
-    if found is None or found[0].fp8 is None or found[0].fp8.scaling != "delayed":
-        raise TypeError(
-            "init_fp8_state takes a function made by jaxamp.amp with "
-            "compute_dtype=jaxamp.Fp8Recipe(scaling='delayed'), got "
-            f"{getattr(amp_fn, '__name__', type(amp_fn).__name__)!r}"
-            + ("" if found is None else f" (an amp'd function whose fp8 recipe is {found[0].fp8!r})")
-            + "."
-        )
-    options, fn = found
-    discovered = []
-    # Traced abstractly, so `jax.ShapeDtypeStruct` leaves stand for arrays.
-    eqx.filter_eval_shape(lambda a, k: discovered.append(options.discover_sites(fn, a, k)), args, kwargs)
-    return Fp8State.from_sites(discovered[0])
 
 
 def _takes_keyword(fn: Callable, name: str) -> bool:
@@ -176,11 +126,11 @@ def _delayed_state(state: Any) -> Fp8State:
         raise TypeError(
             "this function was made by jaxamp.amp with Fp8Recipe(scaling='delayed'), whose scales come "
             "from amax histories: pass them as fp8_state=..., made once by "
-            "jaxamp.init_fp8_state(fn, *args) and updated each step from their gradient "
-            "(state.update(observed)); README '## float8' shows the step."
+            "jaxamp.fp8.init_fp8_state(fn, *args) and updated each step from their gradient "
+            "(state.update(observed)); docs/float8.md shows the step."
         )
     if not isinstance(state, Fp8State):
         raise TypeError(
-            f"fp8_state must be a jaxamp.Fp8State (from jaxamp.init_fp8_state), got {type(state).__name__}."
+            f"fp8_state must be a jaxamp.fp8.Fp8State (from jaxamp.fp8.init_fp8_state), got {type(state).__name__}."
         )
     return state

@@ -210,7 +210,7 @@ def _resolve_dtypes(
 
 _FP8_HINT = (
     f"For float8 matmuls pass compute_dtype={FP8_NAMES[0]!r} (or {FP8_NAMES[1]!r}, "
-    "or a jaxamp.Fp8Recipe)."
+    "or a jaxamp.fp8.Fp8Recipe)."
 )
 
 

@@ -88,7 +88,7 @@ def test_char_lm_monitor_writes_the_report_and_suggests_a_policy(tmp_path):
     assert [r["step"] for r in records] == [0, 2]
     scopes = {s["scope"].split("/")[0] for r in records for s in r["sites"]}
     assert {"attention", "mlp", "lm_head"} <= scopes
-    assert str(report["suggestion"]).startswith("# jaxamp.suggest_policy: from 2 recorded steps")
+    assert str(report["suggestion"]).startswith("# jaxamp.monitoring.suggest_policy: from 2 recorded steps")
 
 
 def test_matmul_flops_counts_scan_bodies_and_dtypes():

@@ -472,7 +472,7 @@ def test_errors_name_the_fix():
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
     with pytest.raises(TypeError, match=r"fp8_state=.*init_fp8_state"):
         loss(params, x, c)
-    with pytest.raises(TypeError, match="fp8_state must be a jaxamp.Fp8State"):
+    with pytest.raises(TypeError, match=r"fp8_state must be a jaxamp\.fp8\.Fp8State"):
         loss(params, x, c, fp8_state={"dot_general": jnp.zeros((3, LENGTH))})
     with pytest.raises(TypeError, match=r"fp8_state= is the amax histories .* which keeps no state"):
         jaxamp.amp(_mlp, compute_dtype="fp8")(params, x, c, fp8_state=jaxamp.init_fp8_state(loss, params, x, c))
@@ -551,7 +551,7 @@ def test_a_convolution_takes_its_history_without_a_warning():
     loss = jaxamp.amp(_conv, compute_dtype=_recipe())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        state = jaxamp.init_fp8_state(loss, w, x)
+        state = jaxamp.fp8.init_fp8_state(loss, w, x)
         grads, observed = jax.jit(jax.grad(lambda w, s: loss(w, x, fp8_state=s), argnums=(0, 1)))(w, state)
     assert list(state.histories) == ["conv_general_dilated"]
     np.testing.assert_allclose(observed.histories["conv_general_dilated"][:2, 0], [

@@ -116,12 +116,12 @@ def test_rebuilding_from_leaves_does_not_warn():
 
 def test_warn_if_not_floating():
     with pytest.warns(UserWarning, match="Expected floating type for x, got int32"):
-        jaxamp.warn_if_not_floating(jnp.int32(1), "x")
+        jaxamp.scaling.warn_if_not_floating(jnp.int32(1), "x")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jaxamp.warn_if_not_floating(jnp.float16(1), "x")
-        jaxamp.warn_if_not_floating(2.0, "x")
-        jaxamp.warn_if_not_floating(object(), "x")
+        jaxamp.scaling.warn_if_not_floating(jnp.float16(1), "x")
+        jaxamp.scaling.warn_if_not_floating(2.0, "x")
+        jaxamp.scaling.warn_if_not_floating(object(), "x")
 
 
 def test_static_and_noop_scales_are_static_pytree_data():

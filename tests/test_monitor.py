@@ -179,7 +179,7 @@ def test_shard_map_stacks_devices_and_counts_replicated_values_once():
 
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
-        _, stats = jax.jit(jaxamp.monitor(loss))(params[0], xs)
+        _, stats = jax.jit(jaxamp.monitoring.monitor(loss))(params[0], xs)
     found = by_site(stats)
     np.testing.assert_array_equal(found[("forward", "layer", "dot_general[0].lhs")], reference(x.astype(BF16)))
     np.testing.assert_array_equal(found[("forward", "layer", "dot_general[0].rhs")], reference(params[0].astype(BF16)))
@@ -240,7 +240,7 @@ def test_fp8_on_an_auto_mesh_reports_each_products_operands():
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("error")
         xs = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
-        _, stats = jax.jit(jaxamp.monitor(jax.value_and_grad(amp_loss)))(w, xs)
+        _, stats = jax.jit(jaxamp.monitoring.monitor(jax.value_and_grad(amp_loss)))(w, xs)
     rows = {(r["direction"], r["scope"], r["name"]): r for r in stats.rows()}
     lhs = rows[("forward", "layer", "dot_general[0].lhs")]
     assert lhs["dtype"] == "bfloat16" and not lhs["fp8"]
@@ -295,7 +295,7 @@ def test_bad_input_and_differentiating_the_monitor_raise():
     with pytest.raises(ValueError, match="headroom_bits"):
         jaxamp.monitor(lambda x: x, headroom_bits=-1)
     monitored = jaxamp.monitor(lambda x: jnp.sum(x.astype(BF16) @ x.astype(BF16)).astype(jnp.float32))
-    with pytest.raises(TypeError, match=r"jaxamp.monitor\(jax.value_and_grad\(loss\)\)"):
+    with pytest.raises(TypeError, match=r"jaxamp\.monitoring\.monitor\(jax\.value_and_grad\(loss\)\)"):
         jax.grad(lambda x: monitored(x)[0])(jnp.ones((2, 2)))
 
 

@@ -168,7 +168,7 @@ class AmpReport:
     Attributes:
         rows: one `AmpRow` per equation, in program order, nested bodies inline.
         compute_dtype: amp's compute dtype (``"bf16"`` in fp8 mode).
-        fp8_recipe: fp8 mode's `jaxamp.Fp8Recipe`; None in other modes.
+        fp8_recipe: fp8 mode's `jaxamp.fp8.Fp8Recipe`; None in other modes.
     """
 
     rows: tuple[AmpRow, ...]

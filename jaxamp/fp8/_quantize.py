@@ -39,7 +39,7 @@ def quantize(x: Any, fmt: Any, power_of_two: bool = False) -> tuple[Any, Any]:
         float32) gets scale 1. Non-finite entries are not clamped: they stay
         inf or NaN in `q` (e4m3, which has no inf, holds NaN), so only the
         rows and columns of the matmul's result they touch go non-finite, as
-        in bfloat16, and a loss scaler or `jaxamp.skip_nonfinite_updates`
+        in bfloat16, and a loss scaler or `jaxamp.scaling.skip_nonfinite_updates`
         still sees the step as bad; saturating an inf to the format's maximum
         would hide it, and a scale taken from an infinite amax would turn every
         finite entry into 0 and the whole result into NaN.

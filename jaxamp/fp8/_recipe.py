@@ -67,10 +67,10 @@ class Fp8Recipe:
             own scaling. ``"delayed"`` (Transformer Engine's
             ``DelayedScaling``): tensorwise, each scale from the amaxes of
             past steps (`amax_history_length`, `amax_compute_algo`,
-            `margin`), kept in a `jaxamp.Fp8State` that the step passes in
-            (``fn(*args, fp8_state=state)``, made by `jaxamp.init_fp8_state`)
-            and updates from its gradient (`Fp8State.update`); README
-            "## float8" shows the step. A matmul whose state cannot be
+            `margin`), kept in a `jaxamp.fp8.Fp8State` that the step passes in
+            (``fn(*args, fp8_state=state)``, made by `jaxamp.fp8.init_fp8_state`)
+            and updates from its gradient (`Fp8State.update`); docs/float8.md,
+            "The delayed recipe", shows the step. A matmul whose state cannot be
             threaded to it (inside a custom derivative rule) and a grouped
             matmul run with current scaling, said once. On a mesh the scales
             need no collective (the amaxes for the next step are reduced off
@@ -83,7 +83,7 @@ class Fp8Recipe:
             shapes) stay in bfloat16. Quantising costs two passes over each
             operand, which only a large enough matmul earns back; where that
             crossover lies depends on the GPU and was not measured here, so the
-            default, 0, keeps no matmul out on this ground (see README "## float8").
+            default, 0, keeps no matmul out on this ground (see docs/float8.md, "Accuracy, and when it pays").
         min_contraction: matmuls whose contraction (summed-over) size is
             smaller stay in bfloat16. Default 16: below it float8 gains no
             speed (float8 GEMMs take dimensions in multiples of 16) and each
@@ -213,7 +213,7 @@ class Fp8Recipe:
 
         A convolution takes one dtype for both operands, and e4m3 on both
         sides halved the gradient error of e5m2 on both sides on the digits
-        CNN's convolutions (figures in README "## float8"): with a scale taken
+        CNN's convolutions (figures in docs/float8.md, "float8 matmuls"): with a scale taken
         from the live cotangent, e5m2's extra range is not needed for its
         largest values, and its 2 mantissa bits cost more than e4m3's 3.
         """

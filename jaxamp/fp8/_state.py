@@ -30,9 +30,10 @@ step does not run with scale 1.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +43,7 @@ from .. import _compat
 from ..transform._site_state import SiteState
 from ._quantize import finite_amax, scale_for_amax
 
-__all__ = ["ROLES", "Fp8State", "history_scale", "observation"]
+__all__ = ["ROLES", "Fp8State", "history_scale", "init_fp8_state", "observation"]
 
 ROLES = ("lhs", "rhs", "cotangent")
 """The rows of a matmul's history: its left and right operands, and the cotangent of its result."""
@@ -52,7 +53,7 @@ ROLES = ("lhs", "rhs", "cotangent")
 class Fp8State:
     """The delayed recipe's amax histories: one per float8 matmul of an amp'd program.
 
-    Made by `jaxamp.init_fp8_state`; a pytree of float32 arrays (checkpoint it
+    Made by `jaxamp.fp8.init_fp8_state`; a pytree of float32 arrays (checkpoint it
     with the train state; Orbax saves and restores it), keyed by each matmul's
     named scopes and primitive.
 
@@ -205,3 +206,53 @@ def _largest_on_every_device(x: Any) -> Any:
     if _compat.tracks_varying_axes():
         manual = tuple(a for a in manual if a in _compat.varying_axes(x))
     return lax.pmax(x, manual) if manual else x
+
+
+def init_fp8_state(amp_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Fp8State:
+    """The empty amax histories of an amp'd function under ``Fp8Recipe(scaling="delayed")``.
+
+    Traces ``amp_fn(*args, **kwargs)`` (nothing runs; arguments may be
+    `jax.ShapeDtypeStruct` leaves) and makes one history per float8 matmul,
+    zeros: the first step scales by the live amaxes. Pass the state to every
+    call, ``amp_fn(*args, fp8_state=state, **kwargs)``, and update it from its
+    gradient (docs/float8.md, "The delayed recipe"):
+
+        loss = jaxamp.amp(loss_fn, compute_dtype=jaxamp.fp8.Fp8Recipe(scaling="delayed"))
+        state = jaxamp.fp8.init_fp8_state(loss, params, batch)
+
+        @jax.jit
+        def step(params, opt_state, state, batch):
+            value, (grads, observed) = jax.value_and_grad(
+                lambda p, s: loss(p, batch, fp8_state=s), argnums=(0, 1)
+            )(params, state)
+            ...
+            return params, opt_state, state.update(observed)
+
+    Args:
+        amp_fn: what `amp` returned, with the delayed recipe.
+        *args, **kwargs: arguments as the step passes them (their shapes
+            decide the program, and a scan's length how many histories its
+            matmuls get).
+
+    Returns:
+        An `Fp8State`.
+
+    Raises:
+        TypeError: `amp_fn` is not an amp'd function with the delayed recipe.
+    """
+    found = getattr(amp_fn, "_jaxamp_amp", None)
+    if found is None or found[0].fp8 is None or found[0].fp8.scaling != "delayed":
+        raise TypeError(
+            "init_fp8_state takes a function made by jaxamp.amp with "
+            "compute_dtype=jaxamp.fp8.Fp8Recipe(scaling='delayed'), got "
+            f"{getattr(amp_fn, '__name__', type(amp_fn).__name__)!r}"
+            + ("" if found is None else f" (an amp'd function whose fp8 recipe is {found[0].fp8!r})")
+            + "."
+        )
+    options, fn = found
+    discovered = []
+    # `jaxamp.amp` leaves (options, fn) on the function it returns; read by
+    # attribute so this layer needs nothing from the entry layer above it.
+    # Traced abstractly, so `jax.ShapeDtypeStruct` leaves stand for arrays.
+    eqx.filter_eval_shape(lambda a, k: discovered.append(options.discover_sites(fn, a, k)), args, kwargs)
+    return Fp8State.from_sites(discovered[0])

@@ -26,7 +26,7 @@ class MonitorStats:
     """Statistics of one monitored call: one row per measured site.
 
     A pytree: return it from a jitted step, keep it on device, hand it to a
-    `jaxamp.MonitorRecorder`. ``vectors`` is its only array (float32, one row
+    `jaxamp.monitoring.MonitorRecorder`. ``vectors`` is its only array (float32, one row
     per site, one column per `FIELDS` entry); the sites are static.
 
     Attributes:
@@ -42,8 +42,8 @@ class MonitorStats:
             site inside a loop or a `shard_map` body combines its iterations
             and devices. A monitored function under `jax.pmap` or
             `jax.vmap` returns them with leading axes (per device or
-            example); `rows()` and `jaxamp.MonitorRecorder` combine those too.
-        sites: what each row measures (`jaxamp.monitor`'s `Site`).
+            example); `rows()` and `jaxamp.monitoring.MonitorRecorder` combine those too.
+        sites: what each row measures (`jaxamp.monitoring.monitor`'s `Site`).
         headroom_bits: the threshold the ``above`` counts used.
     """
 
@@ -82,11 +82,11 @@ def _row(site: Site, vector: np.ndarray) -> dict[str, Any]:
 def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callable:
     """Make `fn` also return numerics statistics of everything it computes.
 
-    ``jaxamp.monitor(fn)(*args)`` returns ``(fn(*args), stats)``, `stats` a
+    ``jaxamp.monitoring.monitor(fn)(*args)`` returns ``(fn(*args), stats)``, `stats` a
     `MonitorStats`. Monitor the whole step, differentiation included, and jit
     the result::
 
-        step = jax.jit(jaxamp.monitor(jax.value_and_grad(jaxamp.amp(loss))))
+        step = jax.jit(jaxamp.monitoring.monitor(jax.value_and_grad(jaxamp.amp(loss))))
         (loss_value, grads), stats = step(params, batch)
 
     `fn` is traced to a jaxpr and re-emitted equation by equation, unchanged,
@@ -130,7 +130,7 @@ def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callab
     if fn is None:
         return functools.partial(monitor, headroom_bits=headroom_bits)
     if not callable(fn):
-        raise TypeError(f"jaxamp.monitor expects a callable, got {type(fn).__name__}: {fn!r:.100}.")
+        raise TypeError(f"jaxamp.monitoring.monitor expects a callable, got {type(fn).__name__}: {fn!r:.100}.")
     if isinstance(headroom_bits, bool) or not isinstance(headroom_bits, (int, float)) or not (
         0 <= headroom_bits < math.inf
     ):
@@ -140,17 +140,17 @@ def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callab
     def monitored(*args: Any, **kwargs: Any) -> tuple[Any, MonitorStats]:
         if _compat.has_nnx_objects((fn, args, kwargs), variables=False):
             raise TypeError(
-                "jaxamp.monitor takes pytrees, not flax nnx objects (Modules, Rngs), whose "
+                "jaxamp.monitoring.monitor takes pytrees, not flax nnx objects (Modules, Rngs), whose "
                 "state it would not carry: monitor a pure function of their state, e.g. "
-                "graphdef, state = nnx.split(model); jaxamp.monitor(lambda state, batch: "
+                "graphdef, state = nnx.split(model); jaxamp.monitoring.monitor(lambda state, batch: "
                 "step(nnx.merge(graphdef, state), batch))(state, batch), returning the new state."
             )
         if any(_compat.is_differentiation_tracer(x) for x in jax.tree_util.tree_leaves((args, kwargs))):
             raise TypeError(
-                "jaxamp.monitor'd function is being differentiated: the statistics of its "
+                "a function made by jaxamp.monitoring.monitor is being differentiated: the statistics of its "
                 "backward pass would be outside the program monitor sees. Monitor the function "
-                "that differentiates instead: jaxamp.monitor(jax.value_and_grad(loss)), not "
-                "jax.grad(jaxamp.monitor(loss))."
+                "that differentiates instead: jaxamp.monitoring.monitor(jax.value_and_grad(loss)), not "
+                "jax.grad(jaxamp.monitoring.monitor(loss))."
             )
         closed, values, _, rebuild = trace_array_leaves(fn, args, kwargs)
         outs, taps = walk(closed.jaxpr, closed.consts, values, headroom_bits)

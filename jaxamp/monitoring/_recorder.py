@@ -33,7 +33,7 @@ class MonitorRecorder:
     loss-scale events ``{"kind": "loss_scale", "step", "loss_scale",
     "skipped", "event"}`` (``event``: ``"skip"`` for a step whose gradients
     were not finite, ``"change"`` when the scale moved, ``"start"`` for the
-    first). `jaxamp.monitor_report` and `jaxamp.suggest_policy` read them.
+    first). `jaxamp.monitoring.monitor_report` and `jaxamp.monitoring.suggest_policy` read them.
 
     Args:
         every: keep the statistics of steps divisible by `every`.
@@ -89,7 +89,9 @@ class MonitorRecorder:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise TypeError(f"step must be a Python int, got {type(step).__name__}: {step!r:.50}.")
         if stats is not None and not isinstance(stats, MonitorStats):
-            raise TypeError(f"stats must be the MonitorStats jaxamp.monitor returns, got {type(stats).__name__}.")
+            raise TypeError(
+                f"stats must be the MonitorStats jaxamp.monitoring.monitor returns, got {type(stats).__name__}."
+            )
         if loss_scale is not None or finite is not None:
             self._pending_scales.append((int(step), _scale_array(loss_scale), finite))
         if stats is not None and step % self.every == 0:

@@ -69,7 +69,7 @@ class PolicySuggestion:
 
     def __str__(self) -> str:
         first, last = (self.steps[0], self.steps[-1]) if self.steps else (None, None)
-        lines = [f"# jaxamp.suggest_policy: from {len(self.steps)} recorded steps ({first} to {last})."]
+        lines = [f"# jaxamp.monitoring.suggest_policy: from {len(self.steps)} recorded steps ({first} to {last})."]
         if self.keep_float32:
             lines.append("amp_policy = jaxamp.default_amp_policy | {")
             for s in self.keep_float32:

@@ -434,7 +434,7 @@ def _opaque(state, ctx, eqn, invals):
     if name not in _warned:
         _warned.add(name)
         warnings.warn(
-            f"jaxamp.monitor does not look inside {name!r} equations: the matmuls in their "
+            f"jaxamp.monitoring.monitor does not look inside {name!r} equations: the matmuls in their "
             "bodies are not measured (their results still are where a named scope hands them "
             "on).",
             RuntimeWarning,

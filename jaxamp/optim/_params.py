@@ -70,7 +70,7 @@ def low_precision_params(
     float32 parameters are left to the wrapped optimizer: their updates pass
     through unchanged.
 
-    Put `jaxamp.skip_nonfinite_updates` (or a loss scaler's skip) *outside* this
+    Put `jaxamp.scaling.skip_nonfinite_updates` (or a loss scaler's skip) *outside* this
     wrapper, so that a skipped step keeps the compensation buffer and the key.
 
     Args:

@@ -1,6 +1,61 @@
-"""Loss scaling: the dynamic scaler (`_dynamic_scaler`), the torch-style
-`GradScaler`, jmp-style loss scales (`_loss_scale`), their shared schedule,
-finiteness decided on every device (`_finite`) and the optax wrappers (`_optax`).
+"""Loss scaling for float16, in three flavours that share one finiteness check.
 
-Internal: import the public names from `jaxamp`.
+- jaxamp's own scaler: `DynamicScalerState` with `dynamic_scale_value_and_grad`
+  and `dynamic_scale_grad` (`DynamicLossScaler` is another name for the state),
+  and `dynamic_scale_tx`, the transform they are built on. It skips a non-finite
+  step, or recomputes it with a smaller scale (``redo_on_nan``).
+- DeepMind jmp's loss scales: `DynamicLossScale`, `StaticLossScale`,
+  `NoOpLossScale` (the `LossScale` union), with jmp's `register_empty_pytree` and
+  `warn_if_not_floating`.
+- `GradScaler`: PyTorch's ``torch.amp.GradScaler``, functional and jit-able.
+
+`all_finite` says whether a pytree is free of inf and NaN, on every device,
+and `select_tree` takes one of two pytrees by it (jmp's pair).
+`skip_nonfinite_updates` wraps an optax optimizer so that a non-finite step
+changes nothing (its state is a `SkipNonFiniteState`), and
+`apply_if_finite_updates` applies the updates on a finite step and leaves the
+parameters' bits alone on a skipped one.
+
+The scalers, the jmp loss scales, `all_finite` and `select_tree` are also at
+the top level (`jaxamp.DynamicScalerState`...). The guide is
+docs/loss_scaling.md.
 """
+
+from ._dynamic_scaler import (
+    DynamicLossScaler,
+    DynamicScalerState,
+    dynamic_scale_grad,
+    dynamic_scale_tx,
+    dynamic_scale_value_and_grad,
+)
+from ._finite import all_finite, select_tree
+from ._grad_scaler import GradScaler
+from ._loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    register_empty_pytree,
+    warn_if_not_floating,
+)
+from ._optax import SkipNonFiniteState, apply_if_finite_updates, skip_nonfinite_updates
+
+__all__ = [
+    "DynamicLossScale",
+    "DynamicLossScaler",
+    "DynamicScalerState",
+    "GradScaler",
+    "LossScale",
+    "NoOpLossScale",
+    "SkipNonFiniteState",
+    "StaticLossScale",
+    "all_finite",
+    "apply_if_finite_updates",
+    "dynamic_scale_grad",
+    "dynamic_scale_tx",
+    "dynamic_scale_value_and_grad",
+    "register_empty_pytree",
+    "select_tree",
+    "skip_nonfinite_updates",
+    "warn_if_not_floating",
+]

@@ -2,7 +2,8 @@
 shard/gather parameter pytrees (after fjformer's / EasyLM's ``mesh_utils``).
 
 All of them work with the mesh made current by ``jax.set_mesh(mesh)`` and with the
-legacy ``with mesh:`` context.
+legacy ``with mesh:`` context. The guides are docs/sharding.md and
+docs/distributed.md.
 """
 
 from ._mesh import (

@@ -31,7 +31,7 @@ def make_shard_and_gather_fns(
         host_params = tree_apply(gather_fns, params)   # numpy, e.g. to save
 
     A shard function casts its leaf (floating leaves only, see
-    `jaxamp.cast_floating`) and places it with ``NamedSharding(mesh, spec)``. A
+    `jaxamp.policies.cast_floating`) and places it with ``NamedSharding(mesh, spec)``. A
     gather function brings the whole array to the host as a `numpy.ndarray` (across
     processes too, when the array spans several hosts) and applies the same cast.
     Both pass non-array leaves (Python numbers, functions) through untouched.

@@ -52,7 +52,7 @@ class SiteState:
     Attributes:
         values: the values given for this call, in site order, or None to
             discover the sites (each `take` then returns zeros: what a state
-            made by `jaxamp.init_fp8_state` holds; fp8's delayed recipe is
+            made by `jaxamp.fp8.init_fp8_state` holds; fp8's delayed recipe is
             the one user, whom `take`'s errors name).
         sites: ``(name, shape)`` of each site found so far, in order; `shape`
             includes the enclosing scans' lengths, outermost first. With
@@ -105,7 +105,7 @@ class SiteState:
                 raise ValueError(
                     f"the fp8_state does not fit this program: its site {self.position} is "
                     f"{expected[0]!r} of shape {expected[1]}, but the program's is {name!r} of shape "
-                    f"{full}. Make the state with jaxamp.init_fp8_state for this function, with "
+                    f"{full}. Make the state with jaxamp.fp8.init_fp8_state for this function, with "
                     "arguments of the shapes you call it with."
                 )
         elif self.values is None:
@@ -114,7 +114,7 @@ class SiteState:
             raise ValueError(
                 f"the fp8_state does not fit this program: it has {len(self.sites)} sites, and the "
                 f"program has more ({name!r} of shape {full} is site {self.position}). Make the state "
-                "with jaxamp.init_fp8_state for this function, with arguments of the shapes you call it with."
+                "with jaxamp.fp8.init_fp8_state for this function, with arguments of the shapes you call it with."
             )
         value = jnp.zeros(full, jnp.float32) if self.values is None else self.values[self.position]
         self.position += 1
