@@ -19,6 +19,7 @@ import importlib.util
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -894,16 +895,39 @@ def on_auto_mesh(*xs: Any) -> bool:
     return False
 
 
-# --- linear_call under vmap (jaxamp/fp8/_differentiable.py) ---
+# --- rules in JAX's global tables (jaxamp/fp8) ---------------------------------
+# JAX looks up a primitive's batching rule and lowering in process-wide tables.
+# Importing jaxamp changes none of them (tests/test_import_side_effects.py):
+# fp8 mode installs the rules it needs when it first traces a float8 product,
+# for jaxamp's own primitives, and a batching rule for `linear_call` where JAX
+# has none; it never replaces a rule another library's operations go through.
+
+
+def _once(install: Callable[[], None]) -> Callable[[], None]:
+    """`install()` run by the first call only, whichever thread makes it."""
+    lock = threading.Lock()
+    done = False
+
+    @functools.wraps(install)
+    def run() -> None:
+        nonlocal done
+        if done:
+            return
+        with lock:
+            if not done:
+                install()
+                done = True
+
+    return run
+
+
 # `jax.custom_derivatives.linear_call` (a linear function with a custom
 # transpose) has jvp and transpose rules but, on JAX 0.10-0.12, no batching
 # rule, so `jax.jacfwd`, `jax.hessian` and `vmap` of a gradient could not pass
-# through one. The rule below batches the function and its transpose alike;
-# jaxamp registers it when JAX has none.
+# through one. The rule below batches the function and its transpose alike.
 
 
 def _linear_call_batcher(axis_data, args, dims, *, callee, transpose_thunk, num_callee_consts, num_res):
-    from jax._src.custom_derivatives import linear_call_p
     from jax._src.interpreters import batching
 
     params = dict(callee=callee, transpose_thunk=transpose_thunk, num_callee_consts=num_callee_consts, num_res=num_res)
@@ -929,67 +953,53 @@ def _linear_call_batcher(axis_data, args, dims, *, callee, transpose_thunk, num_
     return outs, [0] * len(outs)
 
 
-def register_linear_call_batching() -> None:
-    """Give `linear_call` a batching rule, unless JAX has one."""
-    from jax._src.custom_derivatives import linear_call_p
+@_once
+def ensure_linear_call_batching() -> None:
+    """Give `linear_call` a batching rule, unless JAX has one (call before binding one)."""
     from jax._src.interpreters import batching
 
     if linear_call_p not in batching.fancy_primitive_batchers:
         batching.fancy_primitive_batchers[linear_call_p] = _linear_call_batcher
 
 
-# --- custom_partitioning under vmap (jaxamp/fp8/_partitioned.py) ---
-# JAX 0.10-0.12 has no batching rule for `custom_partitioning` (each op's
-# partitioning callbacks would have to know the batched layout). jaxamp
-# batches its own ops, told apart by their static arguments; any other still
-# raises JAX's error.
+class OwnPrimitive:
+    """``op(*args, **static)``: ``fn(*args, **static)`` (one array) bound as one equation of a jaxamp primitive.
 
-_CUSTOM_PARTITIONING_BATCHERS: list[tuple[Callable, Callable]] = []
-
-
-def _custom_partitioning_batcher(axis_data, args, dims, *, static_args, **params):
-    for owns, rule in _CUSTOM_PARTITIONING_BATCHERS:
-        if owns(static_args):
-            return rule(args, dims, static_args)
-    raise NotImplementedError("Batching rule for 'custom_partitioning' not implemented")
-
-
-def register_custom_partitioning_batching(owns: Callable, rule: Callable) -> None:
-    """Batch the `custom_partitioning` ops whose static arguments `owns` accepts with ``rule(args, dims, static_args)``.
-
-    Unless JAX has a batching rule for them.
+    The equation holds `fn`'s jaxpr, traced at bind in the caller's context,
+    and `static` (hashable). JAX evaluates and lowers it as that jaxpr, except
+    that under `jax.export` it lowers ``export(*args, **static)`` instead (for
+    an `fn` that cannot be serialized, such as a `custom_partitioning` op,
+    whose partitioner runs in this process); ``jax.vmap`` calls
+    ``batch(args, dims, **static) -> (out, out_dim)``. The batching rule and
+    the lowering go into JAX's tables when the primitive is first bound.
     """
-    from jax._src.custom_partitioning import custom_partitioning_p
-    from jax._src.interpreters import batching
 
-    current = batching.fancy_primitive_batchers.get(custom_partitioning_p)
-    if current is None:
-        batching.fancy_primitive_batchers[custom_partitioning_p] = current = _custom_partitioning_batcher
-    if current is _custom_partitioning_batcher:
-        _CUSTOM_PARTITIONING_BATCHERS.append((owns, rule))
+    def __init__(self, name: str, fn: Callable[..., Any], *, batch: Callable[..., Any], export: Callable[..., Any]):
+        self._fn, self._batch, self._export = fn, batch, export
+        self.primitive = _core.Primitive(name)
+        self.primitive.def_impl(lambda *args, call, **static: _core.jaxpr_as_fun(call)(*args)[0])
+        self.primitive.def_abstract_eval(lambda *avals, call, **static: call.out_avals[0])
+        self._install = _once(self._install_rules)
 
+    def __call__(self, *args: Any, **static: Any) -> Any:
+        self._install()
+        call = trace_to_closed_jaxpr(lambda *xs: [self._fn(*xs, **static)], [jax.typeof(x) for x in args])
+        return self.primitive.bind(*args, call=call, **static)
 
-def register_custom_partitioning_export_fallback(owns: Callable, fallback: Callable) -> None:
-    """Lower the `custom_partitioning` ops `owns` accepts as their whole-array function under `jax.export`.
+    def _install_rules(self) -> None:
+        from jax._src.interpreters import batching, mlir
 
-    JAX cannot serialize a custom partitioner (its callbacks live in this
-    process): an exported program raises "serialization of host_callbacks is
-    not yet implemented". The ops `owns(static_args)` accepts lower instead
-    as the function they wrap (what they compute unpartitioned), after
-    ``fallback(static_args)`` is called (to say so).
-    """
-    from jax._src.custom_partitioning import custom_partitioning_p
-    from jax._src.interpreters import mlir
+        def batched(args: Sequence[Any], dims: Sequence[Any], *, call: Any, **static: Any) -> tuple[Any, Any]:
+            return self._batch(args, dims, **static)
 
-    partitioned = mlir._lowerings[custom_partitioning_p].rule
-
-    def lowering(ctx: Any, *args: Any, call: Any, static_args: Any, **params: Any) -> Any:
-        if owns(static_args) and getattr(ctx.module_context.lowering_parameters, "for_export", False):
-            fallback(static_args)
+        def lowering(ctx: Any, *args: Any, call: Any, **static: Any) -> Any:
+            if getattr(ctx.module_context.lowering_parameters, "for_export", False):
+                export = functools.partial(self._export, **static)
+                return mlir.lower_fun(export, multiple_results=False)(ctx, *args)
             return mlir.lower_fun(_core.jaxpr_as_fun(call), multiple_results=True)(ctx, *args)
-        return partitioned(ctx, *args, call=call, static_args=static_args, **params)
 
-    mlir.register_lowering(custom_partitioning_p, lowering)
+        batching.primitive_batchers[self.primitive] = batched
+        mlir.register_lowering(self.primitive, lowering)
 
 
 def dot_general_batch_dims(ndims: tuple[int, int], mapped: tuple[Any, Any], dimension_numbers: Any) -> tuple[Any, int]:
