@@ -187,6 +187,28 @@ def test_the_checker_sees_jax_internals():
     assert _jax_internals(ast.parse(MODULES["_compat._tracing"].read_text()))
 
 
+def _defined(tree: ast.Module) -> set[str]:
+    """The public names a module defines at its top level (functions, classes, assignments)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {name for name in names if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("_compat._") and m != "_compat.__init__"))
+def test_the_compat_layer_exports_every_name_it_defines(module):
+    # Callers say `_compat.name`: `_compat/__init__.py` re-exports each module's __all__.
+    import importlib
+
+    exported = set(importlib.import_module(f"jaxamp.{module}").__all__)
+    missing = sorted(_defined(ast.parse(MODULES[module].read_text())) - exported)
+    assert not missing, f"add {missing} to jaxamp/{module.replace('.', '/')}.py's __all__"
+
+
 def test_the_checker_sees_an_upward_import(tmp_path):
     # The check itself can fail: a ground module importing the transform would be caught.
     node = ast.parse("from .transform._rules import freeze").body[0]

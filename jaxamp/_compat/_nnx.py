@@ -28,7 +28,7 @@ __all__ = [
 
 @functools.cache
 
-def _nnx_graph_mode(fn: Callable) -> dict[str, bool]:
+def _nnx_graph_mode(fn: Callable) -> dict[str, Any]:
     import inspect
 
     return {"graph": True} if "graph" in inspect.signature(fn).parameters else {}

@@ -94,8 +94,7 @@ def on_auto_mesh(*xs: Any) -> bool:
         return False
     meshes = [getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) for x in xs]
     for mesh in (*meshes, jax.sharding.get_abstract_mesh()):
-        names = getattr(mesh, "axis_names", ())
-        if names and math.prod(mesh.axis_sizes) > 1:
+        if mesh is not None and mesh.axis_names and math.prod(mesh.axis_sizes) > 1:
             return all(kind == jax.sharding.AxisType.Auto for kind in mesh.axis_types)
     return False
 

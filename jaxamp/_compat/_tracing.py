@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -107,7 +106,7 @@ if HAS_FLATTREE:
 
     _flatten_tree = _flattree.flatten
 else:
-    from jax._src.tree_util import FlatTree as _FlatTree
+    from jax._src.tree_util import FlatTree as _FlatTree  # type: ignore[attr-defined]  # JAX 0.10
 
     _flatten_tree = _FlatTree.flatten
 
@@ -228,13 +227,12 @@ class eqn_source:
             outer.__exit__(*sys.exc_info())
             raise
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         outer, inner = self._managers
         try:
             inner.__exit__(*exc)
         finally:
             outer.__exit__(*exc)
-        return False
 
 
 def eqn_user_frame(eqn: JaxprEqn) -> Any:

@@ -9,7 +9,6 @@ read has moved.
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 from collections.abc import Callable
 from typing import Any

@@ -50,9 +50,15 @@ class Scheme(Protocol):
         out_dtype: the dtype the product is handed on in (amp's compute dtype).
     """
 
-    primitive: Any
-    params: dict
-    out_dtype: Any
+    # Read-only (properties), so that frozen dataclasses implement it.
+    @property
+    def primitive(self) -> Any: ...
+
+    @property
+    def params(self) -> dict: ...
+
+    @property
+    def out_dtype(self) -> Any: ...
 
     def quantize(self, side: str, x: Any, rest: tuple) -> Any:
         """The residual of operand `x`: what the product and the other side's derivatives need."""

@@ -40,7 +40,7 @@ device (`quantize_per_device`): the types fix the blocks for the gradients too.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -84,8 +84,10 @@ class LocalScaling(NamedTuple):
     out_dtype: Any
     own_scales: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
-    # The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`).
-    jaxamp_matmul = "dot_general"
+    @property
+    def jaxamp_matmul(self) -> str:
+        """The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`)."""
+        return "dot_general"
 
 
 class OnDevice(NamedTuple):
@@ -105,7 +107,7 @@ class OnDevice(NamedTuple):
     mesh: Any = None
     result_spec: P | None = None
     summed_over: tuple = ()
-    gathered: tuple[dict, dict] = ({}, {})
+    gathered: tuple[dict, ...] = ({}, {})
 
 
 def _quantized_block(x: Any, fmt: Any, power_of_two: bool, own: Sequence[int], gathered: dict) -> tuple[Any, Any]:
@@ -160,7 +162,7 @@ def axis_names(entry: Any) -> tuple:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def spec_axes(*specs: Sequence[Any]) -> tuple:
+def spec_axes(*specs: Iterable[Any]) -> tuple:
     """The mesh axes `specs` split dimensions over, each once, in order."""
     return tuple(dict.fromkeys(name for spec in specs for entry in spec for name in axis_names(entry)))
 
@@ -360,8 +362,10 @@ class LocalConv(NamedTuple):
     cotangent_of: str = ""
     result_shape: tuple[int, ...] = ()
 
-    # The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`).
-    jaxamp_matmul = "conv_general_dilated"
+    @property
+    def jaxamp_matmul(self) -> str:
+        """The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`)."""
+        return "conv_general_dilated"
 
 
 def _conv_factors(how: LocalConv, lhs_ndim: int, rhs_ndim: int) -> _Factors:
@@ -417,7 +421,7 @@ def _float8_conv(q_a: Any, q_b: Any, how: LocalConv, where: OnDevice) -> Any:
     if not how.cotangent_of:
         return conv.bind(q_a, q_b, **params)
     shape = list(how.result_shape)  # the whole side's: this device's block of it
-    if where.mesh is not None:
+    if where.mesh is not None and where.result_spec is not None:  # (set together)
         for dim, entry in enumerate(where.result_spec):
             for name in axis_names(entry):
                 shape[dim] //= where.mesh.shape[name]
@@ -443,7 +447,7 @@ per_shard_conv = _partitioned_op(
 class ShardLayout(NamedTuple):
     """How one product runs per device on an Explicit mesh: its operands' specs, and `OnDevice`."""
 
-    operands: tuple[P, P]
+    operands: tuple[P, ...]
     where: OnDevice
 
 
@@ -496,8 +500,9 @@ def explicit_conv_layouts(params: dict, lhs: Any, rhs: Any, out: Any) -> ConvSha
             return None
         return ShardLayout(tuple(P(*s) for s in specs), OnDevice(mesh, P(*result_spec), summed_over))
 
-    found = product("", (lhs, rhs), out), product("lhs", (out, rhs), lhs), product("rhs", (out, lhs), rhs)
-    return None if None in found else ConvShardLayouts(*found)
+    found = [product("", (lhs, rhs), out), product("lhs", (out, rhs), lhs), product("rhs", (out, lhs), rhs)]
+    layouts = [layout for layout in found if layout is not None]
+    return ConvShardLayouts(*layouts) if len(layouts) == len(found) else None
 
 
 def _scale_spec(spec: P) -> P:
