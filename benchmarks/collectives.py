@@ -32,7 +32,8 @@ if __name__ == "__main__":  # before JAX starts: four host devices
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
 

@@ -131,7 +131,7 @@ def static() -> dict[str, dict[str, dict]]:
             loss, state = _with_state(jaxamp.amp(workload.loss_fn, compute_dtype=recipe), recipe, model, *batch)
             residuals = measure.residuals(loss, state, model, *batch)
             # The gradient with respect to the model (and the delayed recipe's state).
-            grad = eqx.filter_grad(lambda differentiated, *b: loss(*differentiated, *b))
+            grad = eqx.filter_grad(lambda differentiated, *b: loss(*differentiated, *b))  # noqa: B023 (traced here)
             flops = measure.matmul_flops(eqx.filter_make_jaxpr(grad)((state, model), *batch)[0])
             total = max(sum(flops.values()), 1)
             rows[name] = {

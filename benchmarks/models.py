@@ -186,12 +186,12 @@ class GPT(eqx.Module):
         else:
             n_layers = jax.tree_util.tree_leaves(self.blocks)[0].shape[0]
             for i in range(n_layers):
-                x, _ = layer(x, jax.tree_util.tree_map(lambda w: w[i], self.blocks))
+                x, _ = layer(x, jax.tree_util.tree_map(lambda w: w[i], self.blocks))  # noqa: B023 (called here)
         with jax.named_scope("lm_head"):
             return _per_token(self.ln_f, x) @ self.embed.T
 
 
-def cross_entropy(logits: Float[Array, "... n"], labels: Int[Array, "..."]) -> Float[Array, ""]:
+def cross_entropy(logits: Float[Array, "... n"], labels: Int[Array, "..."]) -> Float[Array, ""]:  # noqa: UP037
     """Mean cross-entropy, computed in float32 whatever dtype `logits` arrive in.
 
     The upcast is what jmp-style hand-cast code writes by hand; in float32 code

@@ -67,12 +67,11 @@ def matmuls_in(jaxpr: Any, *, enter: Callable[[Any], bool] | None = None) -> Ite
 def matmul_name(eqn: Any) -> str:
     """The primitive's name, or the matmul an op declares it stands for.
 
-    fp8 mode's per-device product on an Auto mesh (`jaxamp.fp8._partitioned`)
-    is a ``custom_partitioning`` op whose static argument names the
-    ``dot_general`` it computes (``jaxamp_matmul``).
+    fp8 mode's per-device products on an Auto mesh (`jaxamp.fp8._partitioned`)
+    are jaxamp primitives whose ``how`` parameter names the matmul they
+    compute (``jaxamp_matmul``).
     """
-    static = eqn.params.get("static_args") if eqn.primitive.name == "custom_partitioning" else None
-    return (getattr(static[0], "jaxamp_matmul", None) if static else None) or eqn.primitive.name
+    return getattr(eqn.params.get("how"), "jaxamp_matmul", None) or eqn.primitive.name
 
 
 def holds_matmul(eqn: Any) -> bool:

@@ -153,9 +153,60 @@ def test_no_circle_of_imports():
 def test_the_checker_sees_a_circle():
     # The circles this layout removed: _amp -> _eager_cache -> _amp, and
     # _amp -> _fp8 -> _diagnostics -> _amp.
-    old = {"_amp": {"_eager_cache", "_fp8"}, "_eager_cache": {"_amp"}, "_fp8": {"_diagnostics"}, "_diagnostics": {"_amp"}}
+    old = {
+        "_amp": {"_eager_cache", "_fp8"}, "_eager_cache": {"_amp"}, "_fp8": {"_diagnostics"}, "_diagnostics": {"_amp"}
+    }
     assert _find_circle(old) == ["_amp", "_eager_cache", "_amp"]
     assert _find_circle({k: v - {"_eager_cache"} for k, v in old.items()}) == ["_amp", "_fp8", "_diagnostics", "_amp"]
+
+
+def _jax_internals(tree: ast.AST) -> list[str]:
+    """The ``jax._src`` modules `tree` imports: ``import jax._src.x``, ``from jax._src.x import``, ``from jax import _src``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == "jax._src" or a.name.startswith("jax._src.")]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module == "jax._src" or node.module.startswith("jax._src."):
+                found.append(node.module)
+            elif node.module == "jax" and any(a.name == "_src" for a in node.names):
+                found.append("jax._src")
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.split(".")[0] != "_compat"))
+def test_only_the_compat_layer_imports_jax_internals(module):
+    # A JAX upgrade that moves an internal should touch jaxamp/_compat/ only.
+    found = _jax_internals(ast.parse(MODULES[module].read_text()))
+    assert not found, f"{module} imports {found}: go through jaxamp._compat"
+
+
+def test_the_checker_sees_jax_internals():
+    code = "import jax._src.core\nfrom jax._src.interpreters import ad\nfrom jax import _src, numpy\nimport jax.extend"
+    assert _jax_internals(ast.parse(code)) == ["jax._src.core", "jax._src.interpreters", "jax._src"]
+    assert _jax_internals(ast.parse(MODULES["_compat._tracing"].read_text()))
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The public names a module defines at its top level (functions, classes, assignments)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {name for name in names if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("_compat._") and m != "_compat.__init__"))
+def test_the_compat_layer_exports_every_name_it_defines(module):
+    # Callers say `_compat.name`: `_compat/__init__.py` re-exports each module's __all__.
+    import importlib
+
+    exported = set(importlib.import_module(f"jaxamp.{module}").__all__)
+    missing = sorted(_defined(ast.parse(MODULES[module].read_text())) - exported)
+    assert not missing, f"add {missing} to jaxamp/{module.replace('.', '/')}.py's __all__"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):

@@ -62,7 +62,7 @@ def test_figures_equal_a_direct_computation():
     # "first" is the first layer: its inputs are the arguments, so local and
     # accumulated agree, and equal bf16's tanh(x @ w1) handed on in bf16.
     reference = jnp.tanh(x @ w1)
-    amp_value = jnp.tanh((x.astype(jnp.bfloat16) @ w1.astype(jnp.bfloat16)))
+    amp_value = jnp.tanh(x.astype(jnp.bfloat16) @ w1.astype(jnp.bfloat16))
     np.testing.assert_allclose(first.local_db, sqnr(reference, amp_value.astype(jnp.float32)), atol=1e-6)
     np.testing.assert_allclose(first.accumulated_db, first.local_db, atol=1e-6)
     # The output and the gradients, against jax.grad of both.

@@ -35,7 +35,7 @@ def test_dynamic_scaler():
                 assert aux_v == 1.0
             assert scaler_state.scaler == 2**12 and scaler_state.count == 1
             assert grad == 12.0 and value == 8.0
-            for i in range(8):
+            for _ in range(8):
                 scaler_state, _ = value_and_grad_fn(x, dynamic_scaler_state=scaler_state)
             assert scaler_state.scaler == 2**12 and scaler_state.count == 9
             scaler_state, _ = value_and_grad_fn(x, dynamic_scaler_state=scaler_state)

@@ -45,7 +45,8 @@ def _neighbours(x: np.float32, dtype) -> tuple[float, float]:
     return tuple(sorted((float(nearest), float(other))))
 
 
-def _assert_unbiased(x, dtype, key=jax.random.key(0)):
+def _assert_unbiased(x, dtype, key=None):
+    key = jax.random.key(0) if key is None else key
     x = np.float32(x)
     lo, hi = _neighbours(x, dtype)
     out = np.asarray(_many(x, dtype, key)).astype(np.float64)

@@ -23,10 +23,12 @@ from jax import lax
 from test_model_zoo import MODELS
 
 import jaxamp
+from jax_catalogue import lax_op_catalogue
+
 from jaxamp import _compat, default_amp_policy
 
 F32 = np.dtype(jnp.float32)
-CATALOGUE = [op for op in _compat.lax_op_catalogue() if F32 in op.dtypes]
+CATALOGUE = [op for op in lax_op_catalogue() if F32 in op.dtypes]
 
 
 class RuleError(Exception):

@@ -19,7 +19,7 @@ sorts, argmax, floor/round or a rem quotient are exactly representable in both
 half types and at least 1/8 apart, and continuous ops get domains where they are
 well conditioned.
 
-JAX's own catalogue of lax operations (`jaxamp._compat.lax_op_catalogue`) is
+JAX's own catalogue of lax operations (`jax_catalogue.lax_op_catalogue`) is
 swept too, one case per operation and float dtype it accepts, so an operation a
 new JAX release adds is tested before a user meets it: every primitive it binds
 has an entry in the default table, and under amp, along both routes, it runs,
@@ -51,8 +51,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
-from jaxamp import _compat
 from jaxamp.transform import _interpreter
+from jax_catalogue import lax_op_catalogue
 from jaxpr_walk import assert_all_matmuls_in, float_operand_dtypes, iter_eqns
 
 F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
@@ -697,7 +697,7 @@ def test_matmul_and_conv_operands_are_in_compute_dtype(c, dtype):
 # Values are arbitrary here (the cases above check numerics): one small operand
 # per argument, inside most operations' domains.
 
-CATALOGUE = _compat.lax_op_catalogue()
+CATALOGUE = lax_op_catalogue()
 FLOATS = (F32, F16, BF16)
 
 

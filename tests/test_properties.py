@@ -198,7 +198,7 @@ def arrays(draw):
     shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     values = rng.uniform(-4, 4, shape)
-    if dtype == bool:
+    if dtype == np.dtype(bool):
         values = values > 0
     x = np.asarray(values, dtype)
     kind = draw(st.sampled_from(["jax", "numpy", "numpy scalar"]))

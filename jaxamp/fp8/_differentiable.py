@@ -36,8 +36,6 @@ from ..transform._interpreter import warn_once
 
 __all__ = ["OTHER_SIDE", "Fp8HigherOrderError", "Scheme", "differentiable_matmul", "tangent_product"]
 
-_compat.register_linear_call_batching()
-
 OTHER_SIDE = {"lhs": "rhs", "rhs": "lhs"}
 
 
@@ -52,9 +50,15 @@ class Scheme(Protocol):
         out_dtype: the dtype the product is handed on in (amp's compute dtype).
     """
 
-    primitive: Any
-    params: dict
-    out_dtype: Any
+    # Read-only (properties), so that frozen dataclasses implement it.
+    @property
+    def primitive(self) -> Any: ...
+
+    @property
+    def params(self) -> dict: ...
+
+    @property
+    def out_dtype(self) -> Any: ...
 
     def quantize(self, side: str, x: Any, rest: tuple) -> Any:
         """The residual of operand `x`: what the product and the other side's derivatives need."""
@@ -118,6 +122,7 @@ def tangent_product(scheme: Scheme, side: str, lhs: Any, rhs: Any, *rest: Any) -
         other_residual, rest = residuals
         return scheme.cotangent(side, other_residual, aval, g, rest)
 
+    _compat.ensure_linear_call_batching()
     return linear_call(tangent, cotangent, (residual, rest), operands[side])
 
 
@@ -149,6 +154,7 @@ def _observation(scheme: Any, lhs: Any, rhs: Any, rest: tuple, tangents: tuple, 
     def observed(forward, g):
         return scheme.observed(forward, g, state_aval)
 
+    _compat.ensure_linear_call_batching()
     return [linear_call(no_tangent, observed, scheme.observe(lhs, rhs), state_tangent)]
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -55,7 +55,7 @@ from ..transform._interpreter import HANDLERS, EquationRewrite, differentiation_
 from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, requested_accumulation, use_compute_precision
 from ..transform._scopes import MODE_ENTRY
-from ._differentiable import differentiable_matmul, tangent_product
+from ._differentiable import Scheme, differentiable_matmul, tangent_product
 from ._partitioned import explicit_conv_layouts
 from ._quantize import E4M3, quantize
 from ._recipe import BLOCK_SCALINGS, Fp8Recipe
@@ -215,7 +215,7 @@ class Fp8MatmulRule:
         last = None
         # Only the bodies amp rewrites (those of primitives with a handler),
         # not a Pallas kernel's.
-        for last in matmuls_in(jaxpr, enter=lambda eqn: eqn.primitive in HANDLERS):
+        for last in matmuls_in(jaxpr, enter=lambda eqn: eqn.primitive in HANDLERS):  # noqa: B007 (kept: the last)
             pass
         return dataclasses.replace(self, last_matmul=last)
 
@@ -234,6 +234,7 @@ class Fp8MatmulRule:
         unblocked = _why_not_blocked(eqn, lhs, rhs, recipe.scaling) if blocked else ""
         gradient, precisions = recipe.gradient_dtype(name), recipe.accumulation_precisions()
         history, fallback = None, ""
+        scheme: Scheme
         if name == "ragged_dot_general":
             scheme = PerGroup(bind_params, compute_dtype, gradient, precisions)
         elif blocked and not unblocked:
@@ -244,9 +245,11 @@ class Fp8MatmulRule:
         elif recipe.scaling == "delayed":
             history, fallback = _delayed_history(name, recipe.amax_history_length)
             per_tensor = (eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
-            from_history = (recipe.amax_compute_algo, recipe.margin)
+            from_history: tuple = (recipe.amax_compute_algo, recipe.margin)
             if history is not None:
-                from_history += (_site_state.active().cotangents_summed_over,)
+                state = _site_state.active()
+                assert state is not None  # (the histories are threaded through the site state)
+                from_history += (state.cotangents_summed_over,)
             scheme = Tensorwise(*per_tensor) if history is None else Delayed(*per_tensor, *from_history)
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))
@@ -283,7 +286,7 @@ class Fp8MatmulRule:
             # In a custom_jvp rule, a tangent times a primal: linear in the
             # tangent, so that JAX can transpose it.
             side = "lhs" if linear[0] else "rhs"
-            fn = functools.partial(tangent_product, scheme, side)
+            fn: Callable[..., Any] = functools.partial(tangent_product, scheme, side)
             description += f"; the tangent product of a custom_jvp rule ({side} the tangent)"
         elif history is not None:
             matmul = differentiable_matmul(scheme)

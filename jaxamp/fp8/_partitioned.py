@@ -7,8 +7,9 @@ sharding: XLA's partitioner decides it after tracing, so a scale taken while
 tracing is one amax of the whole tensor, an all-reduce in front of every
 matmul of batch-split activations and cotangents.
 
-`per_shard_dot` is a `custom_partitioning` op that is told the shardings when
-XLA partitions the program: each device quantises its own shard of each
+`per_shard_dot` is a `custom_partitioning` op (inside a jaxamp primitive of
+its own, `_partitioned_op`) that is told the shardings when XLA partitions
+the program: each device quantises its own shard of each
 operand with a scale from that shard's amax (no collective), multiplies in
 float8, rescales its partial product and, where the contraction is split over
 mesh axes (data parallelism's weight gradient, a row-parallel weight), sums
@@ -39,7 +40,7 @@ device (`quantize_per_device`): the types fix the blocks for the gradients too.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -83,8 +84,10 @@ class LocalScaling(NamedTuple):
     out_dtype: Any
     own_scales: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
-    # The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`).
-    jaxamp_matmul = "dot_general"
+    @property
+    def jaxamp_matmul(self) -> str:
+        """The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`)."""
+        return "dot_general"
 
 
 class OnDevice(NamedTuple):
@@ -104,7 +107,7 @@ class OnDevice(NamedTuple):
     mesh: Any = None
     result_spec: P | None = None
     summed_over: tuple = ()
-    gathered: tuple[dict, dict] = ({}, {})
+    gathered: tuple[dict, ...] = ({}, {})
 
 
 def _quantized_block(x: Any, fmt: Any, power_of_two: bool, own: Sequence[int], gathered: dict) -> tuple[Any, Any]:
@@ -159,7 +162,7 @@ def axis_names(entry: Any) -> tuple:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def spec_axes(*specs: Sequence[Any]) -> tuple:
+def spec_axes(*specs: Iterable[Any]) -> tuple:
     """The mesh axes `specs` split dimensions over, each once, in order."""
     return tuple(dict.fromkeys(name for spec in specs for entry in spec for name in axis_names(entry)))
 
@@ -256,17 +259,23 @@ def _gathered(specs: Sequence[Sequence[Any]], operand_shapes: Sequence[Any]) -> 
     return kept, tuple(gathered)
 
 
-def _partitioned_op(factors_of: Callable, local: Callable) -> Callable:
-    """A `custom_partitioning` op ``op(lhs, rhs, how)`` computing ``local(lhs, rhs, how, OnDevice(...))``.
+def _partitioned_op(name: str, factors_of: Callable, local: Callable, batch: Callable) -> Callable:
+    """``op(lhs, rhs, how)`` computing ``local(lhs, rhs, how, OnDevice(...))`` on each device, as XLA splits it.
 
     `factors_of(how, lhs_ndim, rhs_ndim)` gives its `_Factors`; `local`
     computes one device's result from its shards (the whole operands when
-    unpartitioned, ``OnDevice()``).
+    unpartitioned, ``OnDevice()``); ``batch(args, dims, how)`` is its
+    `jax.vmap` rule. A `custom_partitioning` op inside a jaxamp primitive
+    named `name` (`_compat.OwnPrimitive`): JAX has no batching rule for
+    `custom_partitioning`, and `jax.export` cannot serialize one (the
+    primitive lowers the unpartitioned function there instead), and jaxamp
+    changes neither for other libraries' `custom_partitioning` ops.
     """
 
-    @functools.partial(custom_partitioning, static_argnums=(2,))
-    def op(lhs: Any, rhs: Any, how: Any) -> Any:
+    def whole(lhs: Any, rhs: Any, how: Any) -> Any:
         return local(lhs, rhs, how, OnDevice())
+
+    op = functools.partial(custom_partitioning, static_argnums=(2,))(whole)
 
     def sharding_rule(how: Any, mesh: Any, operand_types: Sequence[Any], result_types: Any) -> tuple:
         factors = factors_of(how, *(len(t.shape) for t in operand_types))
@@ -299,10 +308,34 @@ def _partitioned_op(factors_of: Callable, local: Callable) -> Callable:
         return NamedSharding(mesh, P(*_layout(factors, operand_shapes)[1]))
 
     op.def_partition(partition=partition, infer_sharding_from_operands=result_sharding, sharding_rule=sharding_rule)
-    return op
+
+    def exported(lhs: Any, rhs: Any, how: Any) -> Any:
+        _one_scale_per_tensor_when_exported()
+        return whole(lhs, rhs, how)
+
+    # (custom_partitioning takes its static argument by position only.)
+    primitive = _compat.OwnPrimitive(name, lambda lhs, rhs, how: op(lhs, rhs, how), batch=batch, export=exported)
+
+    def per_shard(lhs: Any, rhs: Any, how: Any) -> Any:
+        return primitive(lhs, rhs, how=how)
+
+    return per_shard
 
 
-per_shard_dot = _partitioned_op(_dot_factors, _local_dot)
+def _one_scale_per_tensor_when_exported() -> None:
+    warn_once(
+        ("fp8_exported_on_an_auto_mesh", ""),
+        "jaxamp fp8 mode: an exported program (jax.export) cannot carry the per-device scales of an Auto "
+        "mesh's float8 products (their partitioning runs in this process), so it takes one scale per tensor "
+        "(an amax all-reduce in front of each product on a mesh). Use an Explicit mesh, whose per-shard scales "
+        "are traced, to export them.",
+        UserWarning,
+    )
+
+
+per_shard_dot = _partitioned_op(
+    "jaxamp_per_shard_dot", _dot_factors, _local_dot, lambda args, dims, how: _batched(args, dims, how)
+)
 """``per_shard_dot(lhs, rhs, how)``: ``dot_general`` in float8, each device's shards scaled apart."""
 
 
@@ -329,8 +362,10 @@ class LocalConv(NamedTuple):
     cotangent_of: str = ""
     result_shape: tuple[int, ...] = ()
 
-    # The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`).
-    jaxamp_matmul = "conv_general_dilated"
+    @property
+    def jaxamp_matmul(self) -> str:
+        """The matmul the op stands for, read by jaxpr walkers (`jaxamp._jaxpr.matmul_name`)."""
+        return "conv_general_dilated"
 
 
 def _conv_factors(how: LocalConv, lhs_ndim: int, rhs_ndim: int) -> _Factors:
@@ -386,7 +421,7 @@ def _float8_conv(q_a: Any, q_b: Any, how: LocalConv, where: OnDevice) -> Any:
     if not how.cotangent_of:
         return conv.bind(q_a, q_b, **params)
     shape = list(how.result_shape)  # the whole side's: this device's block of it
-    if where.mesh is not None:
+    if where.mesh is not None and where.result_spec is not None:  # (set together)
         for dim, entry in enumerate(where.result_spec):
             for name in axis_names(entry):
                 shape[dim] //= where.mesh.shape[name]
@@ -396,7 +431,9 @@ def _float8_conv(q_a: Any, q_b: Any, how: LocalConv, where: OnDevice) -> Any:
     return found[0 if how.cotangent_of == "lhs" else 1]
 
 
-per_shard_conv = _partitioned_op(_conv_factors, _local_conv)
+per_shard_conv = _partitioned_op(
+    "jaxamp_per_shard_conv", _conv_factors, _local_conv, lambda args, dims, how: _batched_conv(args, dims, how)
+)
 """``per_shard_conv(lhs, rhs, how)``: ``conv_general_dilated`` (or a cotangent) in float8, per device's shards."""
 
 
@@ -410,7 +447,7 @@ per_shard_conv = _partitioned_op(_conv_factors, _local_conv)
 class ShardLayout(NamedTuple):
     """How one product runs per device on an Explicit mesh: its operands' specs, and `OnDevice`."""
 
-    operands: tuple[P, P]
+    operands: tuple[P, ...]
     where: OnDevice
 
 
@@ -463,8 +500,9 @@ def explicit_conv_layouts(params: dict, lhs: Any, rhs: Any, out: Any) -> ConvSha
             return None
         return ShardLayout(tuple(P(*s) for s in specs), OnDevice(mesh, P(*result_spec), summed_over))
 
-    found = product("", (lhs, rhs), out), product("lhs", (out, rhs), lhs), product("rhs", (out, lhs), rhs)
-    return None if None in found else ConvShardLayouts(*found)
+    found = [product("", (lhs, rhs), out), product("lhs", (out, rhs), lhs), product("rhs", (out, lhs), rhs)]
+    layouts = [layout for layout in found if layout is not None]
+    return ConvShardLayouts(*layouts) if len(layouts) == len(found) else None
 
 
 def _scale_spec(spec: P) -> P:
@@ -514,11 +552,11 @@ def conv_per_device(a: Any, b: tuple[Any, Any], how: LocalConv, layout: ShardLay
     return jax.shard_map(block, mesh=where.mesh, in_specs=in_specs, out_specs=where.result_spec)(*a, *b)
 
 
-def _batched(args: Sequence[Any], dims: Sequence[Any], how: LocalScaling) -> tuple[list, list]:
+def _batched(args: Sequence[Any], dims: Sequence[Any], how: LocalScaling) -> tuple[Any, Any]:
     """`jax.vmap` of `per_shard_dot`: the mapped dimensions join the product, each index with its own scales."""
     (lhs, rhs), (lhs_dim, rhs_dim) = args, dims
     if lhs_dim is None and rhs_dim is None:
-        return [per_shard_dot(lhs, rhs, how)], [None]
+        return per_shard_dot(lhs, rhs, how), None
     ndims, mapped = (lhs.ndim, rhs.ndim), (lhs_dim, rhs_dim)
     dimension_numbers, out_dim = _compat.dot_general_batch_dims(ndims, mapped, how.dimension_numbers)
 
@@ -528,41 +566,12 @@ def _batched(args: Sequence[Any], dims: Sequence[Any], how: LocalScaling) -> tup
         return (mapped, *(d + (d >= mapped) for d in own))
 
     own = (with_mapped(how.own_scales[0], lhs_dim), with_mapped(how.own_scales[1], rhs_dim))
-    return [per_shard_dot(lhs, rhs, how._replace(dimension_numbers=dimension_numbers, own_scales=own))], [out_dim]
+    return per_shard_dot(lhs, rhs, how._replace(dimension_numbers=dimension_numbers, own_scales=own)), out_dim
 
 
-_compat.register_custom_partitioning_batching(
-    owns=lambda static_args: len(static_args) == 1 and isinstance(static_args[0], LocalScaling),
-    rule=lambda args, dims, static_args: _batched(args, dims, static_args[0]),
-)
-
-
-def _batched_conv(args: Sequence[Any], dims: Sequence[Any], how: LocalConv) -> tuple[list, list]:
+def _batched_conv(args: Sequence[Any], dims: Sequence[Any], how: LocalConv) -> tuple[Any, Any]:
     """`jax.vmap` of `per_shard_conv`: each example scaled apart, as on one device (its shards' scales not split)."""
     mapped = [0 if d is not None else None for d in dims]
     moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
     out = jax.vmap(lambda a, b: _local_conv(a, b, how, OnDevice()), in_axes=mapped)(*moved)
-    return [out], [0]
-
-
-_compat.register_custom_partitioning_batching(
-    owns=lambda static_args: len(static_args) == 1 and isinstance(static_args[0], LocalConv),
-    rule=lambda args, dims, static_args: _batched_conv(args, dims, static_args[0]),
-)
-
-
-def _one_scale_per_tensor_when_exported(static_args: tuple) -> None:
-    warn_once(
-        ("fp8_exported_on_an_auto_mesh", ""),
-        "jaxamp fp8 mode: an exported program (jax.export) cannot carry the per-device scales of an Auto "
-        "mesh's float8 products (their partitioning runs in this process), so it takes one scale per tensor "
-        "(an amax all-reduce in front of each product on a mesh). Use an Explicit mesh, whose per-shard scales "
-        "are traced, to export them.",
-        UserWarning,
-    )
-
-
-_compat.register_custom_partitioning_export_fallback(
-    owns=lambda static_args: len(static_args) == 1 and isinstance(static_args[0], (LocalScaling, LocalConv)),
-    fallback=_one_scale_per_tensor_when_exported,
-)
+    return out, 0

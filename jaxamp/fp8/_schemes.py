@@ -607,7 +607,10 @@ def _split_layout(aval: Any, blocks: dict, spec: Sequence[Any] | None = None) ->
     remainder) and its shard dim land.
     """
     spec = spec_of(aval) if spec is None else spec
-    new_shape, new_spec, at, block_at = [], [], {}, {}
+    new_shape: list[int] = []
+    new_spec: list[Any] = []
+    at: dict[int, int] = {}
+    block_at: dict[int, int] = {}
     for dim, size in enumerate(aval.shape):
         if dim in blocks:
             shards, entry = blocks[dim]

@@ -36,6 +36,17 @@ FIELDS = (
     "nonfinite",  # inf and NaN entries
     *(f"below_2^-{14 + e}" for e in LOSS_SCALE_EXPONENTS),  # finite nonzero entries below 2^-(14 + e)
 )
+"""The statistics the monitor measures at each site, in the order `MonitorStats` stores them.
+
+``amax`` (the largest finite ``|x|``); for float8 operands ``source_amax`` (that
+of the value quantised) and ``scale`` (the largest quantisation scale), 0
+otherwise; then counts: ``values`` (entries observed), ``nonzero`` (finite
+nonzero), ``underflow`` (finite nonzero below the smallest normal of the dtype
+stored in), ``above`` (finite above ``max(dtype) / 2**headroom_bits``),
+``nonfinite`` (inf and NaN), and ``below_2^-14``, ``below_2^-20``... (finite
+nonzero below ``2^-(14 + e)`` for each exponent ``e`` of a loss scale
+`suggest_policy` considers).
+"""
 NUM_MAX_FIELDS = 3  # amax, source_amax, scale combine by maximum; the rest are counts
 _F32 = np.dtype(np.float32)
 

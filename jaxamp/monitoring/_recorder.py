@@ -61,7 +61,7 @@ class MonitorRecorder:
         self._pending_stats: list[tuple[int, MonitorStats]] = []
         self._pending_scales: list[tuple[int, Any, Any]] = []
         self._last_scale: float | None = None
-        self._writer = None
+        self._writer: Any = None  # a tensorboardX SummaryWriter (untyped)
         if tensorboard_dir is not None:
             try:
                 from tensorboardX import SummaryWriter

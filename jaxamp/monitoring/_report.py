@@ -113,7 +113,7 @@ def summarize(
         ),
         key=ScopeSummary.sort_key,
     )
-    grids: dict[str, dict[str, np.ndarray]] = {}
+    grids: dict[str, dict[str, Any]] = {}  # per direction: two arrays (rows x steps) and the scopes
     for direction in ("forward", "backward"):
         rows = [s for s in summaries if s.direction == direction]
         headroom = np.full((len(rows), len(steps)), np.nan)

@@ -110,6 +110,8 @@ def stochastic_round(x: Any, dtype: Any, key: jax.Array) -> jax.Array:
 def round_to(x: jax.Array, dtype: Any, rounding: str, key: jax.Array | None) -> jax.Array:
     """Round float32 `x` to `dtype`: ``"nearest"`` (as ``astype``) or ``"stochastic"``."""
     if rounding == "stochastic":
+        if key is None:  # (the optimizers check this when built; a direct caller gets told here)
+            raise ValueError("stochastic rounding needs a PRNG key")
         return stochastic_round(x, dtype, key)
     return x.astype(dtype)
 

@@ -136,11 +136,9 @@ class Policy:
 
     def __str__(self) -> str:
         # Short names, so that `get_policy(str(policy)) == policy`.
-        return "p={},c={},o={}".format(
-            dtype_short_name(self.param_dtype),
-            dtype_short_name(self.compute_dtype),
-            dtype_short_name(self.output_dtype),
-        )
+        dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
+        param, compute, output = (dtype_short_name(d) for d in dtypes)
+        return f"p={param},c={compute},o={output}"
 
     @classmethod
     def from_string(cls, policy: str) -> Policy:

@@ -94,7 +94,7 @@ def make_shard_and_gather_fns(
     return shard_fns, gather_fns
 
 
-def _to_dtype(spec: Any, *, where: str | None) -> np.dtype | None:
+def _to_dtype(spec: Any, *, where: str | tuple[str, ...] | None) -> np.dtype | None:
     """Read one dtype spec; `where` is the leaf path it applies to (None: all)."""
     if spec is None:
         return None

@@ -515,6 +515,7 @@ def _shard_map(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     # The body takes the site state's values as replicated inputs (see
     # `_site_state`); JAX traces it during the bind, maybe more than once.
     state = _site_state.active()
+    assert state is not None  # (_threads_site_state)
     passed = state.passed()
     start = state.position
     summed = () if eqn.params["check_vma"] else tuple(name for name, _ in _compat.shard_map_mesh_axes(eqn.params))

@@ -338,7 +338,7 @@ def _replace_markers(tree: Any, resolve: Callable[[Any], Any]) -> Any:
 # of the same classes outside amp, see only their own.
 
 _SCOPE_PATHS: contextvars.ContextVar[dict[int, tuple]] = contextvars.ContextVar(
-    "jaxamp_nnx_scope_paths", default={}
+    "jaxamp_nnx_scope_paths", default={}  # noqa: B039 (never mutated: `module_scopes` sets a new dict)
 )
 # The innermost scoped module being called: (its id, its graph path).
 _ENCLOSING: contextvars.ContextVar[tuple[int, tuple] | None] = contextvars.ContextVar(
@@ -359,7 +359,7 @@ def module_scopes(nodes: tuple) -> Iterator[None]:
         for path, value in _compat.nnx_iter_graph(node):
             if isinstance(value, nnx.Module) and id(value) not in paths:
                 paths[id(value)] = path
-                if callable(getattr(type(value), "__call__", None)):
+                if callable(value):
                     classes.add(type(value))
     if not paths or not classes:
         yield
@@ -380,7 +380,7 @@ def _wrap(classes: set[type]) -> None:
                 _WRAPPED[cls][1] += 1
                 continue
             _WRAPPED[cls] = [cls.__dict__.get("__call__", _ABSENT), 1]
-            cls.__call__ = _scoped(cls.__call__)
+            cls.__call__ = _scoped(cls.__call__)  # type: ignore[method-assign]  # undone by _unwrap
 
 
 def _unwrap(classes: set[type]) -> None:
@@ -394,7 +394,7 @@ def _unwrap(classes: set[type]) -> None:
             if entry[0] is _ABSENT:
                 del cls.__call__
             else:
-                cls.__call__ = entry[0]
+                cls.__call__ = entry[0]  # type: ignore[method-assign]
 
 
 def _scoped(call: Callable) -> Callable:

@@ -1,26 +1,23 @@
-"""Every JAX internal jaxamp touches, and every difference between JAX versions.
+"""Jaxprs and tracing.
+
+JAX's jaxpr types and primitives, tracing bodies in the current context,
+equations' sources and scopes, the parameters of higher-order primitives, and
+custom derivatives' sub-functions.
 
 The interpreter must re-emit equations with their source information, trace new
 bodies for higher-order primitives in the *current* context (axis names, meshes,
 outer transformations), and rebuild the sub-functions that custom-derivative and
-shard_map primitives bind with. JAX has no public API for these, so they live
-here: a JAX upgrade should touch this file and nothing else.
-
-Supported: JAX 0.10.x through 0.12.x (see ``pyproject.toml``). Differences
-between versions are detected once, at import, as the named flags below; the
-accessors a handler calls raise `JaxInternalsChanged` when an internal they
-read has moved, which is the only error amp turns into a fallback.
+shard_map primitives bind with. JAX has no public API for these.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import math
+import importlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.extend.core as jex_core
@@ -29,20 +26,17 @@ from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.ad_util import SymbolicZero, Zero
+from jax._src.custom_derivatives import linear_call_p  # (not part of jax.extend)
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters.ad import CustomVJPException
 from jax._src.state.types import AbstractRef as _AbstractRef
-from jax.sharding import PartitionSpec as P
+
+from ._versions import _DRIFT_ERRORS, BWD_RETURNS_LOGS, HAS_FLATTREE, HAS_INLINE_ENUM, _internal
 
 __all__ = [
-    "BWD_RETURNS_LOGS",
-    "HAS_FLATTREE",
-    "HAS_INLINE_ENUM",
-    "CatalogueOp",
     "ClosedJaxpr",
     "CustomVJPException",
     "DropVar",
-    "JaxInternalsChanged",
     "Jaxpr",
     "JaxprEqn",
     "Literal",
@@ -51,46 +45,41 @@ __all__ = [
     "Var",
     "Zero",
     "abstract_value",
-    "bind_remat",
     "ambient_scopes",
+    "bind_remat",
     "call_body",
+    "call_params_with_extra_inputs",
     "closed_call_p",
     "cond_p",
+    "consts_as_inputs",
     "custom_jvp_call_p",
     "custom_jvp_subfuns",
     "custom_vjp_call_p",
     "custom_vjp_subfuns",
+    "differentiation_depth",
     "eager_trace_context",
     "eqn_scopes",
     "eqn_source",
     "eqn_transposed",
     "eqn_user_frame",
     "frame_line",
-    "has_nnx_objects",
     "is_differentiation_tracer",
     "is_zero",
-    "jit_params_with_extra_outputs",
     "jaxpr_as_fun",
     "jit_p",
-    "lax_op_catalogue",
-    "lax_primitives_by_name",
-    "legacy_context_mesh",
+    "jit_params_with_extra_outputs",
     "linear_call_p",
-    "manual_axes",
-    "mark_varying",
+    "lax_modules",
     "matmul_cotangents",
-    "nnx_flatten",
-    "nnx_is_object",
-    "nnx_iter_graph",
-    "nnx_raw_value",
-    "nnx_split",
     "pack_bwd_result",
     "primitives_by_name",
+    "primitives_in",
     "remat_p",
     "saved_residuals",
     "scan_layout",
     "scan_p",
     "scan_params_with_extra_consts",
+    "shaped_array",
     "shard_map_body",
     "shard_map_mesh_axes",
     "shard_map_p",
@@ -98,66 +87,28 @@ __all__ = [
     "trace_keeping_calls",
     "trace_to_closed_jaxpr",
     "trace_to_jaxpr_with_consts_as_inputs",
-    "tracks_varying_axes",
     "unpack_bwd_result",
-    "varying_axes",
     "while_p",
     "with_dtype",
     "wrap_fun",
     "zeros_like_aval",
 ]
 
+
 # jaxamp's frames are never the user's line: equations amp emits (and calls its
 # forward trace records) are attributed to the user code beneath them, as
 # JAX's own frames are.
-_source_info.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+_source_info.register_exclusion(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
-# --- version flags: what changed between supported JAX releases -------------
-
-# 0.11: scan stores its operand layout as a `FlatTree` (``ft_in``: constants,
-# carry, xs) instead of ``num_consts``/``num_carry``; shard_map's sub-function
-# returns a `jax._src.flattree` tree instead of `tree_util.FlatTree`.
-HAS_FLATTREE = importlib.util.find_spec("jax._src.flattree") is not None
-# 0.11: custom_vjp backward rules may return logs, so bwd returns (cts, logs).
-BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
-# 0.11: ``jit(inline=True)`` means "inline at lowering"; inlining while tracing
-# (what jax.numpy asks for) is ``inline=Inline.JAX_EARLY``. 0.10 has only the bool.
-HAS_INLINE_ENUM = hasattr(jax, "Inline")
 
 if HAS_FLATTREE:
     from jax._src import flattree as _flattree
 
     _flatten_tree = _flattree.flatten
 else:
-    from jax._src.tree_util import FlatTree as _FlatTree
+    from jax._src.tree_util import FlatTree as _FlatTree  # type: ignore[attr-defined]  # JAX 0.10
 
     _flatten_tree = _FlatTree.flatten
-
-
-class JaxInternalsChanged(RuntimeError):
-    """A JAX internal amp relies on has moved in this JAX release.
-
-    Raised only by this module's accessors, never for errors in user code or
-    in policy rules, so the evaluation loop can fall back (with a warning) for
-    exactly this case and let everything else propagate.
-    """
-
-
-# What moving an internal looks like from the outside.
-_DRIFT_ERRORS: tuple[type[BaseException], ...] = (ImportError, AttributeError, KeyError, TypeError)
-
-
-def _internal(fn: Callable) -> Callable:
-    # For accessors that read JAX internals and call no user code: any of the
-    # errors above raised inside them can only mean the internals moved.
-    @functools.wraps(fn)
-    def accessor(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except _DRIFT_ERRORS as err:
-            raise JaxInternalsChanged(f"{fn.__name__}: {type(err).__name__}: {err}") from err
-
-    return accessor
 
 
 ClosedJaxpr = jex_core.ClosedJaxpr
@@ -179,7 +130,6 @@ cond_p = _prims.cond_p
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
 
-from jax._src.custom_derivatives import linear_call_p  # noqa: E402  (not part of jax.extend)
 
 try:  # shard_map_p is not (yet) part of jax.extend.
     from jax._src.shard_map import shard_map_p
@@ -277,13 +227,12 @@ class eqn_source:
             outer.__exit__(*sys.exc_info())
             raise
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         outer, inner = self._managers
         try:
             inner.__exit__(*exc)
         finally:
             outer.__exit__(*exc)
-        return False
 
 
 def eqn_user_frame(eqn: JaxprEqn) -> Any:
@@ -526,14 +475,6 @@ def shard_map_mesh_axes(eqn_params: dict) -> tuple[tuple[Any, int], ...]:
     return tuple((name, size) for name, size in mesh.shape.items() if name in manual)
 
 
-def mark_varying(x: Any, axes: Sequence[Any]) -> Any:
-    """`x` typed as varying over the manual `axes` (a no-op where types carry no varying axes)."""
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    if not missing or not tracks_varying_axes():
-        return x
-    return jax.lax.pcast(x, missing, to="varying")
-
-
 def is_differentiation_tracer(x: Any) -> bool:
     """Whether `x` is being differentiated (a JVP or linearize tracer)."""
     from jax._src.interpreters import ad
@@ -628,7 +569,7 @@ def call_body(eqn: JaxprEqn) -> Jaxpr | None:
     return getattr(body, "jaxpr", body)
 
 
-def _primitives_in(modules: Sequence[Any]) -> dict[str, Primitive]:
+def primitives_in(modules: Sequence[Any]) -> dict[str, Primitive]:
     # A module also holds the primitives it imports: the first module seen
     # naming a primitive wins, so list defining modules first.
     found: dict[str, Primitive] = {}
@@ -639,7 +580,7 @@ def _primitives_in(modules: Sequence[Any]) -> dict[str, Primitive]:
     return found
 
 
-def _lax_modules() -> list[Any]:
+def lax_modules() -> list[Any]:
     import pkgutil
 
     import jax._src.lax as lax_pkg
@@ -650,20 +591,6 @@ def _lax_modules() -> list[Any]:
     ]
 
 
-def lax_primitives_by_name() -> dict[str, Primitive]:
-    """Every primitive of JAX's lax package (``jax._src.lax`` and its subpackages), by name.
-
-    Several (collectives, linear algebra, special functions, control flow) are
-    not re-exported from `jax.lax`.
-    """
-    return _primitives_in(_lax_modules())
-
-
-# Modules outside the lax package that define primitives programs bind,
-# directly or through jax.numpy, jax.random, callbacks and kernels. Some exist
-# only on the releases noted; a module this release lacks, or cannot import
-# (Pallas without its dependencies), is skipped, and tests/test_default_table.py
-# names the table entries that then resolve to nothing.
 _PRIMITIVE_MODULES = (
     "jax._src.core",  # pvary, reduced_vary_cast, mutable arrays
     "jax._src.ad_util",  # add_any, zeros_like, stop_gradient
@@ -692,79 +619,19 @@ _PRIMITIVE_MODULES = (
 def primitives_by_name() -> dict[str, Primitive]:
     """Every primitive of the lax package and of the other modules defining ones programs bind, by name.
 
-    `lax_primitives_by_name` plus ``pvary``, ``name``
+    The primitives of the lax package (`lax_modules`) plus ``pvary``, ``name``
     (`jax.ad_checkpoint.checkpoint_name`), callbacks, ``ffi_call``,
     ``pallas_call``, cuDNN kernels, sharding and random-key primitives. Imports
     those modules not imported yet (Pallas's among them). Computed once: do not
     modify the result.
     """
-    modules = _lax_modules()
+    modules = lax_modules()
     for name in _PRIMITIVE_MODULES:
         try:
             modules.append(importlib.import_module(name))
         except ImportError:
             continue
-    return _primitives_in(modules)
-
-
-class CatalogueOp(NamedTuple):
-    """One operation of JAX's own catalogue of lax operations (`lax_op_catalogue`)."""
-
-    name: str  # the jax.lax function, or "reduce[<primitive>, init=<value>]" for lax.reduce
-    fn: Callable[..., Any]  # takes `nargs` arrays of one dtype
-    nargs: int
-    dtypes: tuple[Any, ...]  # numpy dtypes JAX's own tests run it with
-
-
-def lax_op_catalogue() -> list[CatalogueOp]:
-    """Every operation JAX's own lax tests sweep, with the operand dtypes each accepts.
-
-    Read from ``jax._src.internal_test_util.lax_test_util``, which ships with
-    JAX: ``lax_ops`` (elementwise operations by `jax.lax` name),
-    ``lax_reduce_ops`` (`jax.lax.reduce` with an initial value and computation
-    JAX recognises as a monoid, so it binds ``reduce_sum``, ``reduce_max``...),
-    ``lax_named_reduce_ops`` (`jax.lax.reduce_sum`...) and
-    ``lax_out_dtype_ops``. An operation listed in several of its records
-    (``sqrt`` for floats and for complex numbers) is one entry with their dtypes
-    merged. Reductions reduce over axis 0. The dtypes are those of the default
-    backend that JAX runs as such: 64-bit types only with ``jax_enable_x64``
-    (an operation left with none is omitted). Raises when the module has moved
-    or dropped one of these lists, so tests built on it fail instead of
-    sweeping fewer operations.
-    """
-    import numpy as np
-    from jax._src.internal_test_util import lax_test_util as catalogue
-
-    entries: dict[str, CatalogueOp] = {}
-
-    def add(name: str, fn: Callable[..., Any], nargs: int, dtypes: Sequence[Any]) -> None:
-        known = entries[name].dtypes if name in entries else ()
-        # Records list 64-bit types whatever jax_enable_x64 says; JAX would
-        # silently run those at 32 bits.
-        usable = [np.dtype(d) for d in dtypes if jax.dtypes.canonicalize_dtype(d) == np.dtype(d)]
-        merged = tuple(dict.fromkeys((*known, *usable)))
-        if merged:
-            entries[name] = CatalogueOp(name, fn, nargs, merged)
-
-    for record in (*catalogue.lax_ops(), *catalogue.lax_out_dtype_ops()):
-        add(record.op, getattr(jax.lax, record.op), record.nargs, record.dtypes)
-    for record in catalogue.lax_reduce_ops():
-        # One entry per initial value: each is the monoid's identity for its dtypes only.
-        name = f"reduce[{record.primitive.name}, init={record.init_val}]"
-        add(name, _monoid_reduction(record.op, record.init_val), 1, record.dtypes)
-    for record in catalogue.lax_named_reduce_ops():
-        add(record.op.__name__, functools.partial(record.op, axes=(0,)), 1, record.dtypes)
-    return list(entries.values())
-
-
-def _monoid_reduction(op: Callable, init_val: Any) -> Callable[[Any], Any]:
-    import numpy as np
-
-    def reduce(x: Any) -> Any:
-        # A wrapping conversion: -1 stands for all bits set in any integer type.
-        return jax.lax.reduce(x, np.array(init_val).astype(x.dtype), op, (0,))
-
-    return reduce
+    return primitives_in(modules)
 
 
 # --- benchmarks ---
@@ -779,29 +646,6 @@ def saved_residuals(fn: Callable, *args: Any) -> list[tuple[Any, str]]:
     from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 
     return _saved_residuals(fn, *args)
-
-
-def legacy_context_mesh() -> Any:
-    """The mesh entered with the deprecated ``with mesh:`` context manager, if any.
-
-    JAX offers no public accessor for it: ``jax.sharding.get_mesh`` and
-    ``get_abstract_mesh`` only see meshes set with ``jax.set_mesh``. Older user
-    code still says ``with mesh:``, so we read JAX's thread-local resource stack.
-
-    Returns:
-        The innermost such mesh, or ``None`` when none is entered or when this JAX
-        version no longer has the legacy context (then there is nothing to find).
-    """
-    from jax.sharding import Mesh
-
-    try:
-        from jax._src.mesh import thread_resources
-    except ImportError:
-        return None
-    mesh = getattr(getattr(thread_resources, "env", None), "physical_mesh", None)
-    if not isinstance(mesh, Mesh) or mesh.empty:
-        return None
-    return mesh
 
 
 # --- matmul cotangents (jaxamp/transform/_accumulation.py, jaxamp/fp8/_matmul.py) ---
@@ -845,271 +689,9 @@ def matmul_cotangents(
     return d_lhs, d_rhs
 
 
-# --- fp8 scales per shard (jaxamp/fp8/_schemes.py) ---
-# On an Explicit mesh an array's type names the mesh axes each dimension is
-# split over (`jax.typeof(x).sharding`); on an Auto mesh it names none (XLA
-# places the array after tracing), and inside `shard_map` the manual axes are
-# not in the spec (the body sees one shard).
-
-
-def explicit_shards(x: Any) -> dict[int, tuple[int, Any]]:
-    """The dimensions of `x` split over Explicit mesh axes: ``{dim: (shards, spec entry)}``.
-
-    Only dimensions whose size the number of shards divides are listed.
-    """
-    aval = jax.typeof(x)
-    sharding = getattr(aval, "sharding", None)
-    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
-    if spec is None or mesh is None or not getattr(mesh, "axis_names", ()):
-        return {}
-    types = dict(zip(mesh.axis_names, mesh.axis_types))
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    found = {}
-    for dim, entry in enumerate(spec):
-        if entry is None or entry == P.UNCONSTRAINED:
-            continue
-        names = entry if isinstance(entry, tuple) else (entry,)
-        if not all(types.get(name) == jax.sharding.AxisType.Explicit for name in names):
-            continue
-        shards = math.prod(sizes[name] for name in names)
-        if shards > 1 and aval.shape[dim] % shards == 0:
-            found[dim] = (shards, entry)
-    return found
-
-
-def on_auto_mesh(*xs: Any) -> bool:
-    """Whether `xs` run on a mesh of several devices whose axes are all Auto (XLA splits them after tracing).
-
-    The mesh is the operands' (``jax.jit`` of arrays placed with a
-    `NamedSharding`) or the context's (``jax.set_mesh``); never inside
-    `shard_map`, whose body sees one device's shard.
-    """
-    if manual_axes():
-        return False
-    meshes = [getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) for x in xs]
-    for mesh in (*meshes, jax.sharding.get_abstract_mesh()):
-        names = getattr(mesh, "axis_names", ())
-        if names and math.prod(mesh.axis_sizes) > 1:
-            return all(kind == jax.sharding.AxisType.Auto for kind in mesh.axis_types)
-    return False
-
-
-# --- linear_call under vmap (jaxamp/fp8/_differentiable.py) ---
-# `jax.custom_derivatives.linear_call` (a linear function with a custom
-# transpose) has jvp and transpose rules but, on JAX 0.10-0.12, no batching
-# rule, so `jax.jacfwd`, `jax.hessian` and `vmap` of a gradient could not pass
-# through one. The rule below batches the function and its transpose alike;
-# jaxamp registers it when JAX has none.
-
-
-def _linear_call_batcher(axis_data, args, dims, *, callee, transpose_thunk, num_callee_consts, num_res):
-    from jax._src.custom_derivatives import linear_call_p
-    from jax._src.interpreters import batching
-
-    params = dict(callee=callee, transpose_thunk=transpose_thunk, num_callee_consts=num_callee_consts, num_res=num_res)
-    if all(d is None for d in dims):
-        outs = linear_call_p.bind(*args, **params)
-        return outs, [None] * len(outs)
-    fixed = num_callee_consts + num_res
-    moved = [x if d is None else jax.numpy.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-    # Every linear input batched: the transpose gives one cotangent per input.
-    moved[fixed:] = [
-        x if d is not None else jax.lax.broadcast(x, (axis_data.size,)) for x, d in zip(moved[fixed:], dims[fixed:])
-    ]
-    fixed_batched = [d is not None for d in dims[:fixed]]
-    batched_callee, _ = batching.batch_jaxpr(callee, axis_data, fixed_batched + [True] * (len(args) - fixed), True)
-
-    def batched_transpose():
-        transpose, t_consts = transpose_thunk()
-        cotangents = len(transpose.in_avals) - len(t_consts) - num_res
-        in_batched = [False] * len(t_consts) + fixed_batched[num_callee_consts:] + [True] * cotangents
-        return batching.batch_jaxpr(transpose, axis_data, in_batched, True)[0], t_consts
-
-    outs = linear_call_p.bind(*moved, **dict(params, callee=batched_callee, transpose_thunk=batched_transpose))
-    return outs, [0] * len(outs)
-
-
-def register_linear_call_batching() -> None:
-    """Give `linear_call` a batching rule, unless JAX has one."""
-    from jax._src.custom_derivatives import linear_call_p
-    from jax._src.interpreters import batching
-
-    if linear_call_p not in batching.fancy_primitive_batchers:
-        batching.fancy_primitive_batchers[linear_call_p] = _linear_call_batcher
-
-
-# --- custom_partitioning under vmap (jaxamp/fp8/_partitioned.py) ---
-# JAX 0.10-0.12 has no batching rule for `custom_partitioning` (each op's
-# partitioning callbacks would have to know the batched layout). jaxamp
-# batches its own ops, told apart by their static arguments; any other still
-# raises JAX's error.
-
-_CUSTOM_PARTITIONING_BATCHERS: list[tuple[Callable, Callable]] = []
-
-
-def _custom_partitioning_batcher(axis_data, args, dims, *, static_args, **params):
-    for owns, rule in _CUSTOM_PARTITIONING_BATCHERS:
-        if owns(static_args):
-            return rule(args, dims, static_args)
-    raise NotImplementedError("Batching rule for 'custom_partitioning' not implemented")
-
-
-def register_custom_partitioning_batching(owns: Callable, rule: Callable) -> None:
-    """Batch the `custom_partitioning` ops whose static arguments `owns` accepts with ``rule(args, dims, static_args)``.
-
-    Unless JAX has a batching rule for them.
-    """
-    from jax._src.custom_partitioning import custom_partitioning_p
-    from jax._src.interpreters import batching
-
-    current = batching.fancy_primitive_batchers.get(custom_partitioning_p)
-    if current is None:
-        batching.fancy_primitive_batchers[custom_partitioning_p] = current = _custom_partitioning_batcher
-    if current is _custom_partitioning_batcher:
-        _CUSTOM_PARTITIONING_BATCHERS.append((owns, rule))
-
-
-def register_custom_partitioning_export_fallback(owns: Callable, fallback: Callable) -> None:
-    """Lower the `custom_partitioning` ops `owns` accepts as their whole-array function under `jax.export`.
-
-    JAX cannot serialize a custom partitioner (its callbacks live in this
-    process): an exported program raises "serialization of host_callbacks is
-    not yet implemented". The ops `owns(static_args)` accepts lower instead
-    as the function they wrap (what they compute unpartitioned), after
-    ``fallback(static_args)`` is called (to say so).
-    """
-    from jax._src.custom_partitioning import custom_partitioning_p
-    from jax._src.interpreters import mlir
-
-    partitioned = mlir._lowerings[custom_partitioning_p].rule
-
-    def lowering(ctx: Any, *args: Any, call: Any, static_args: Any, **params: Any) -> Any:
-        if owns(static_args) and getattr(ctx.module_context.lowering_parameters, "for_export", False):
-            fallback(static_args)
-            return mlir.lower_fun(_core.jaxpr_as_fun(call), multiple_results=True)(ctx, *args)
-        return partitioned(ctx, *args, call=call, static_args=static_args, **params)
-
-    mlir.register_lowering(custom_partitioning_p, lowering)
-
-
-def dot_general_batch_dims(ndims: tuple[int, int], mapped: tuple[Any, Any], dimension_numbers: Any) -> tuple[Any, int]:
-    """``(dimension numbers, result's mapped dim)`` of a ``dot_general`` whose operands gained vmap's `mapped` dims."""
-    from jax._src.lax.lax import _dot_general_batch_dim_nums
-
-    return _dot_general_batch_dim_nums(ndims, mapped, dimension_numbers)
-
-
-# --- devices deciding together (jaxamp/scaling/_finite.py) ---
-# Inside `shard_map` (and `jax.pmap`, which JAX 0.10+ runs as a shard_map) the
-# abstract mesh names the manual axes, and with ``check_vma=True`` every value's
-# type records the manual axes it varies over. Neither has a public accessor on
-# 0.10-0.12 (`jax.typeof(x).vma` moved to ``.mat.varying``).
-
-
-@_internal
-def manual_axes() -> tuple[Any, ...]:
-    """The mesh axes the caller runs per device over (`shard_map`, `pmap`), or ()."""
-    return tuple(jax.sharding.get_abstract_mesh().manual_axes)
-
-
-@_internal
-def tracks_varying_axes() -> bool:
-    """Whether values' types record the manual axes they vary over (``check_vma``)."""
-    return bool(_config._check_vma.value)
-
-
-@_internal
-def varying_axes(x: Any) -> frozenset:
-    """The manual mesh axes over which `x` may differ between devices (its vma)."""
-    return varying_axes_of_type(jax.typeof(x))
-
-
-@_internal
-def varying_axes_of_type(aval: Any) -> frozenset:
-    """`varying_axes` of a value of type `aval`."""
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "varying", ())) if mat is not None else frozenset()
-
-
 @_internal
 def zeros_like_aval(aval: Any) -> jax.Array:
     """Zeros of `aval`'s full type: shape, dtype, sharding and varying axes."""
     from jax._src.ad_util import zeros_like_aval as _zeros_like_aval
 
     return _zeros_like_aval(aval)
-
-
-# --- flax nnx (jaxamp/transform/_nnx.py) ---
-# Called only once the program itself has imported flax.nnx: jaxamp never
-# imports flax. flax 0.12 added a tree mode (``nnx.set_graph_mode(False)``, or
-# ``graph=False``) that cannot express Variables shared between modules; amp
-# needs graph mode whatever the user's default, and releases before it have
-# graph mode only, and no ``graph`` argument.
-
-
-@functools.cache
-def _nnx_graph_mode(fn: Callable) -> dict[str, bool]:
-    import inspect
-
-    return {"graph": True} if "graph" in inspect.signature(fn).parameters else {}
-
-
-def nnx_split(node: Any) -> tuple[Any, Any]:
-    """``nnx.split(node)`` in graph mode: ``(graphdef, state)``."""
-    from flax import nnx
-
-    return nnx.split(node, **_nnx_graph_mode(nnx.split))
-
-
-def nnx_flatten(node: Any) -> tuple[Any, Any]:
-    """``nnx.graph.flatten(node)`` in graph mode: ``(graphdef, flat_state)``.
-
-    `flat_state` iterates as ``(path, leaf)`` pairs in path order, each leaf the
-    node's own `nnx.Variable` object (or a bare array attribute), not a copy.
-    """
-    from flax import nnx
-
-    return nnx.graph.flatten(node, **_nnx_graph_mode(nnx.graph.flatten))
-
-
-def nnx_iter_graph(node: Any) -> Iterator[tuple[tuple, Any]]:
-    """``nnx.iter_graph(node)`` in graph mode: every node and leaf, shared ones once."""
-    from flax import nnx
-
-    return nnx.graph.iter_graph(node, **_nnx_graph_mode(nnx.graph.iter_graph))
-
-
-def nnx_raw_value(leaf: Any) -> Any:
-    """The value a flat-state leaf holds: a Variable's raw value, or the leaf itself."""
-    from flax import nnx
-
-    if not isinstance(leaf, nnx.Variable):
-        return leaf
-    if hasattr(leaf, "get_raw_value"):  # flax >= 0.12 (``raw_value`` warns there)
-        return leaf.get_raw_value()
-    return leaf.raw_value
-
-
-def has_nnx_objects(tree: Any, variables: bool = True) -> bool:
-    """Whether an nnx object (Module, Rngs, Variable...) is among `tree`'s leaves.
-
-    With ``variables=False``, only graph nodes (Modules, Rngs...): a Variable
-    (as in the state `nnx.split` returns) flattens like any pytree.
-    """
-    if "flax.nnx" not in sys.modules:
-        return False
-    from flax import nnx
-
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=nnx_is_object)
-    return any(nnx_is_object(leaf) and (variables or not isinstance(leaf, nnx.Variable)) for leaf in leaves)
-
-
-def nnx_is_object(x: Any) -> bool:
-    """Whether `x` is an nnx object the graph API splits: a Module, `nnx.Rngs`, a Variable...
-
-    Not a bare `jax.Ref`, which flax 0.12's ``is_graph_node`` also accepts: amp
-    treats those the same whether or not flax is imported.
-    """
-    from flax import nnx
-
-    return isinstance(x, nnx.Variable) or nnx.graph.is_node_module(x)
