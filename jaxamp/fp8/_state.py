@@ -230,9 +230,10 @@ def init_fp8_state(amp_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Fp8
 
     Args:
         amp_fn: what `amp` returned, with the delayed recipe.
-        *args, **kwargs: arguments as the step passes them (their shapes
+        *args: positional arguments as the step passes them (their shapes
             decide the program, and a scan's length how many histories its
             matmuls get).
+        **kwargs: keyword arguments as the step passes them.
 
     Returns:
         An `Fp8State`.
