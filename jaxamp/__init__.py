@@ -69,6 +69,7 @@ from .scaling._loss_scale import (
     register_empty_pytree,
     warn_if_not_floating,
 )
+from .scaling._loss_scaling import LossScaleState, loss_scaling
 from .scaling._optax import (
     SkipNonFiniteState,
     apply_if_finite_updates,
@@ -81,6 +82,7 @@ __all__ += [
     "DynamicScalerState",
     "GradScaler",
     "LossScale",
+    "LossScaleState",
     "NoOpLossScale",
     "SkipNonFiniteState",
     "StaticLossScale",
@@ -89,6 +91,7 @@ __all__ += [
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
+    "loss_scaling",
     "register_empty_pytree",
     "select_tree",
     "skip_nonfinite_updates",

@@ -12,6 +12,7 @@ import equinox as eqx
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
+from .scaling._in_grad import as_loss_scale, scale_on_backward, unscale_on_backward, wrap_floating
 
 __all__ = ["amp", "init_fp8_state"]
 
@@ -23,6 +24,7 @@ def amp(
     amp_policy: Mapping[Any, Callable] | None = None,
     policy: Any = None,
     float32_gradient_reductions: bool = False,
+    loss_scale: Any = None,
 ) -> Callable:
     """Make `fn` run in mixed precision.
 
@@ -65,6 +67,20 @@ def amp(
             (it doubles those all-reduces' bytes; see docs/distributed.md).
             Convolutions and grouped matmuls keep accumulating in the compute
             dtype; amp warns once when it meets one.
+        loss_scale: dynamic loss scaling inside the gradient, for float16:
+            the state of an optimizer wrapped in `jaxamp.loss_scaling` (the
+            whole state tree; its one `LossScaleState` is found by type), a
+            `DynamicScalerState`, or a scale (a positive float or float
+            scalar array). The function's value is unchanged; a transform
+            that differentiates it (`jax.grad`, `equinox.filter_grad`,
+            `nnx.grad`...) multiplies the output's cotangent by the scale,
+            runs the half-precision backward pass on the scaled values, and
+            divides each input's cotangent by the scale in float32: the
+            gradients come back in their true scale and their own dtype,
+            non-finite where the scaled backward overflowed (the wrapper's
+            update then skips the step and shrinks the scale). Forward-mode
+            differentiation (`jax.jvp`, `jax.jacfwd`) is not supported with
+            it. The eager cache is not used.
 
     Returns:
         The mixed-precision function (or a decorator when `fn` is omitted).
@@ -85,8 +101,9 @@ def amp(
         float32_gradient_reductions=float32_gradient_reductions,
     )
     options = AmpOptions.resolve(**settings)
+    scale = None if loss_scale is None else as_loss_scale(loss_scale)
     if fn is None:
-        return functools.partial(amp, **settings)
+        return functools.partial(amp, **settings, loss_scale=loss_scale)
     if not callable(fn):
         raise TypeError(
             f"amp expects a callable (a function, or an Equinox module with a "
@@ -95,19 +112,28 @@ def amp(
 
     cache = EagerCache()
     delayed = options.fp8 is not None and options.fp8.scaling == "delayed"
+    hooks: dict[str, Any] = {}
+    if scale is not None:
+        hooks = dict(
+            wrap_inputs=lambda flat: wrap_floating(flat, scale, unscale_on_backward),
+            wrap_outputs=lambda flat: wrap_floating(flat, scale, scale_on_backward),
+        )
 
     @functools.wraps(fn)
     def amp_fn(*args, **kwargs):
         if delayed:
             state = _delayed_state(kwargs.pop("fp8_state", None))
             # Not cached eagerly: the histories are inputs of this call only.
-            return options.run(fn, args, kwargs, site_state=state.site_state())
+            return options.run(fn, args, kwargs, site_state=state.site_state(), **hooks)
         if "fp8_state" in kwargs and not _takes_keyword(fn, "fp8_state"):
             raise TypeError(
                 "fp8_state= is the amax histories of Fp8Recipe(scaling='delayed'); this function was made by "
                 f"jaxamp.amp with {options.fp8 or options.compute_dtype.name!r}, which keeps no state. Pass "
                 "compute_dtype=jaxamp.Fp8Recipe(scaling='delayed') to amp, or drop fp8_state."
             )
+        if hooks:
+            # Not cached: the scale is an input of this call, often a tracer.
+            return options.run(fn, args, kwargs, **hooks)
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]

@@ -76,16 +76,35 @@ class AmpOptions:
         return with_float32_accumulation(table) if self.float32_accumulation else table
 
     def run(
-        self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False, site_state=None
+        self,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        *,
+        observer=None,
+        inline=False,
+        site_state=None,
+        wrap_inputs: Callable[[list], list] | None = None,
+        wrap_outputs: Callable[[list], list] | None = None,
     ) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp.
 
         `site_state`: the values rules take per site (the delayed fp8 recipe's
         histories, `jaxamp.transform._site_state`); None with the delayed
         recipe makes zeros (its first step), as the diagnostics run it.
+
+        `wrap_inputs` / `wrap_outputs`: applied to the program's flat inputs
+        (the array leaves of the arguments, or of nnx objects' state) before
+        it runs, and to `fn`'s own flat outputs after (not to the nnx state it
+        writes back); each returns a list of the same values. Loss scaling
+        inside `jax.grad` puts its identities with a scaling backward there
+        (`amp`'s ``loss_scale``): outside the rewritten program, so amp's
+        rules never see them.
         """
         with _collection_paused():
             closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs)
+            if wrap_inputs is not None:
+                flat_args = wrap_inputs(list(flat_args))
             ctx = self._context(observer=observer, inline=inline)
             # Re-emitted straight into the caller's trace (grad, vmap, an outer
             # jit), like the user's own code: calls keep their jaxprs (see
@@ -93,6 +112,8 @@ class AmpOptions:
             # distinct body once and source lines stay the user's.
             with _site_state.threading(self._site_state(site_state, inline)):
                 outs = self._evaluate(closed, flat_args, num_outs, ctx)
+            if wrap_outputs is not None:
+                outs[:num_outs] = wrap_outputs(outs[:num_outs])
         return rebuild(outs)
 
     def discover_sites(self, fn: Callable, args: tuple, kwargs: dict) -> _site_state.SiteState:
