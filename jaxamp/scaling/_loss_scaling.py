@@ -86,6 +86,14 @@ def loss_scaling(
     The gradients it receives are true-scale (amp unscales them, or the
     script does); the scale is only read from the state, by amp.
 
+    With gradient accumulation, wrap the accumulator:
+    ``loss_scaling(optax.MultiSteps(opt, k))``. A non-finite micro-batch is
+    then skipped and dropped (MultiSteps' accumulator and counter kept bit for
+    bit), and the real step comes after ``k`` finite ones; ``patience``
+    counts micro-batches. Not the other way round: optax's ``MultiSteps``
+    resets its accumulator by multiplying it by 0, which leaves a NaN a NaN,
+    so one non-finite micro-batch would poison every later step.
+
     Args:
         optimizer: any optax gradient transformation.
         scaler: the initial loss scale (float, within the bounds).
