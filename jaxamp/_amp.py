@@ -12,6 +12,7 @@ import equinox as eqx
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
+from .scaling._finite import local_all_finite
 from .scaling._in_grad import as_loss_scale, scale_on_backward, unscale_on_backward, wrap_floating
 
 __all__ = ["amp", "init_fp8_state"]
@@ -78,7 +79,13 @@ def amp(
             divides each input's cotangent by the scale in float32: the
             gradients come back in their true scale and their own dtype,
             non-finite where the scaled backward overflowed (the wrapper's
-            update then skips the step and shrinks the scale). Forward-mode
+            update then skips the step and shrinks the scale). The state
+            the function changes in flax nnx modules among its arguments
+            (BatchNorm statistics, RNG counts) is kept as it was when the
+            forward pass was not finite (its output or that state); state a
+            function returns (Linen ``batch_stats``, ``eqx.nn.State``) is the
+            caller's to keep: ``jaxamp.select_tree(opt_state.last_finite,
+            new, old)`` after the update (docs/loss_scaling.md). Forward-mode
             differentiation (`jax.jvp`, `jax.jacfwd`) is not supported with
             it. The eager cache is not used.
 
@@ -117,6 +124,10 @@ def amp(
         hooks = dict(
             wrap_inputs=lambda flat: wrap_floating(flat, scale, unscale_on_backward),
             wrap_outputs=lambda flat: wrap_floating(flat, scale, scale_on_backward),
+            # A step whose forward pass is not finite will be skipped: the
+            # module state it computed (batch statistics, RNG counts) is not
+            # committed either. Decided per device, by the values it computed.
+            keep_state=lambda out, updates: local_all_finite((out, updates)),
         )
 
     @functools.wraps(fn)

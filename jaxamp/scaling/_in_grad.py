@@ -87,7 +87,7 @@ def as_loss_scale(loss_scale: Any) -> jax.Array:
             tree without exactly one `LossScaleState`.
     """
     if isinstance(loss_scale, (LossScaleState, DynamicScalerState)):
-        return find_scaler_state(loss_scale).scaler.astype(jnp.float32)
+        return _scale_of(find_scaler_state(loss_scale))
     if isinstance(loss_scale, (bool, np.bool_)):
         raise TypeError(
             f"amp's loss_scale must be an optimizer state from jaxamp.loss_scaling or a "
@@ -107,4 +107,10 @@ def as_loss_scale(loss_scale: Any) -> jax.Array:
                 f"optimizer state from jaxamp.loss_scaling, got an array of shape {jnp.shape(loss_scale)}."
             )
         return checked_scalar("amp's loss_scale", loss_scale, jnp.float32, lower=0.0, inclusive=False)
-    return find_scaler_state(loss_scale, "amp's loss_scale").scaler.astype(jnp.float32)
+    return _scale_of(find_scaler_state(loss_scale, "amp's loss_scale"))
+
+
+def _scale_of(state: DynamicScalerState) -> jax.Array:
+    # `jnp.asarray` also reads an array held in a wrapper, as `nnx.Optimizer`
+    # holds its state's leaves (in `nnx.OptState` variables).
+    return jnp.asarray(state.scaler, jnp.float32)
