@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from .._dtypes import array_part
@@ -128,8 +129,13 @@ def loss_scaling(
         max_scaler=max_scaler,
     )
 
+    # Kept as numpy values where concrete: `init` then makes its arrays in the
+    # context it runs in (inside a `shard_map` over an Explicit mesh, a jax
+    # array made out here would be a closed-over input, which JAX rejects),
+    # fresh per call, so the state can be donated to a jit'd step.
+    initial = jax.tree_util.tree_map(_as_numpy_if_concrete, initial)
+
     def init(params: Any) -> LossScaleState:
-        # Fresh buffers per field, so the state can be donated to a jit'd step.
         return LossScaleState(
             inner_state=inner.init(array_part(params)),
             scaler_state=jax.tree_util.tree_map(jnp.array, initial),
@@ -153,6 +159,13 @@ def loss_scaling(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _as_numpy_if_concrete(x: jax.Array) -> Any:
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return x  # traced (e.g. a hyperparameter of optax.inject_hyperparams)
 
 
 def _is_scale_state(x: Any) -> bool:
