@@ -13,7 +13,13 @@ from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
 from .scaling._finite import local_all_finite
-from .scaling._in_grad import as_loss_scale, scale_on_backward, unscale_on_backward, wrap_floating
+from .scaling._in_grad import (
+    as_loss_scale,
+    keep_returned_state,
+    scale_on_backward,
+    unscale_on_backward,
+    wrap_floating,
+)
 
 __all__ = ["amp", "init_fp8_state"]
 
@@ -82,8 +88,9 @@ def amp(
             update then skips the step and shrinks the scale). The state
             the function changes in flax nnx modules among its arguments
             (BatchNorm statistics, RNG counts) is kept as it was when the
-            forward pass was not finite (its output or that state); state a
-            function returns (Linen ``batch_stats``, ``eqx.nn.State``) is the
+            forward pass was not finite (its output or that state), and so
+            is an ``eqx.nn.State`` it takes and returns; other state a
+            function returns (Linen ``batch_stats``, haiku's state) is the
             caller's to keep: ``jaxamp.select_tree(opt_state.last_finite,
             new, old)`` after the update (docs/loss_scaling.md). Forward-mode
             differentiation (`jax.jvp`, `jax.jacfwd`) is not supported with
@@ -135,7 +142,8 @@ def amp(
         if delayed:
             state = _delayed_state(kwargs.pop("fp8_state", None))
             # Not cached eagerly: the histories are inputs of this call only.
-            return options.run(fn, args, kwargs, site_state=state.site_state(), **hooks)
+            out = options.run(fn, args, kwargs, site_state=state.site_state(), **hooks)
+            return keep_returned_state((args, kwargs), out) if hooks else out
         if "fp8_state" in kwargs and not _takes_keyword(fn, "fp8_state"):
             raise TypeError(
                 "fp8_state= is the amax histories of Fp8Recipe(scaling='delayed'); this function was made by "
@@ -144,7 +152,7 @@ def amp(
             )
         if hooks:
             # Not cached: the scale is an input of this call, often a tracer.
-            return options.run(fn, args, kwargs, **hooks)
+            return keep_returned_state((args, kwargs), options.run(fn, args, kwargs, **hooks))
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]

@@ -2,8 +2,9 @@
 
 flax nnx modules passed to the amp'd loss: amp keeps the state the loss
 changed (BatchNorm statistics, RNG counts) as it was when the forward pass is
-not finite. State a loss returns (Linen ``batch_stats``, ``eqx.nn.State``) is
-kept by one line after the update: ``select_tree(opt_state.last_finite, new, old)``.
+not finite, and so is an ``eqx.nn.State`` the loss takes and returns. Other
+state a loss returns (Linen ``batch_stats``) is kept by one line after the
+update: ``select_tree(opt_state.last_finite, new, old)``.
 """
 
 import equinox as eqx
@@ -111,3 +112,67 @@ def test_equinox_state_is_kept_by_select_tree_on_last_finite():
         assert np.isfinite(np.asarray(a)).all()
     model, state, opt_state = step(model, state, opt_state, *_batch(shift=1.0))
     assert any(not np.array_equal(np.asarray(a), b) for b, a in zip(before, jax.tree_util.tree_leaves(state)))
+
+
+def test_equinox_state_taken_and_returned_is_kept_automatically_on_a_nan_batch():
+    model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(D, axis_name="batch", mode="ema")
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    def loss_fn(model, state, x, y):
+        out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+        return jnp.mean((out[:, :1] - y) ** 2), state
+
+    @eqx.filter_jit
+    def step(model, state, opt_state, x, y):  # the bf16 step with two lines changed
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, opt_state
+
+    model, state, opt_state = step(model, state, opt_state, *_batch())
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+    model, state, opt_state = step(model, state, opt_state, *_batch(bad=True))
+    assert not bool(opt_state.last_finite)
+    for b, a in zip(before, jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    model, state, opt_state = step(model, state, opt_state, *_batch(shift=1.0))
+    assert bool(opt_state.last_finite)
+    after = [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+    assert any(not np.array_equal(a, b) for b, a in zip(before, after)) and all(np.isfinite(a).all() for a in after)
+
+
+def test_linen_batch_stats_returned_through_aux_are_kept_by_select_tree():
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x)))
+
+    net = Net()
+    variables = net.init(jax.random.PRNGKey(0), jnp.ones((4, D)))
+    optimizer = jaxamp.loss_scaling(optax.adam(1e-2))
+
+    def loss_fn(params, batch_stats, x, y):
+        out, updates = net.apply({"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"])
+        return jnp.mean((out - y) ** 2), updates["batch_stats"]
+
+    @jax.jit
+    def step(params, batch_stats, opt_state, x, y):
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        (_, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params, batch_stats, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        batch_stats = jaxamp.select_tree(opt_state.last_finite, new_stats, batch_stats)
+        return optax.apply_updates(params, updates), batch_stats, opt_state
+
+    params, stats = variables["params"], variables["batch_stats"]
+    opt_state = optimizer.init(params)
+    params, stats, opt_state = step(params, stats, opt_state, *_batch())
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(stats)]
+    params, stats, opt_state = step(params, stats, opt_state, *_batch(bad=True))
+    assert not bool(opt_state.last_finite)
+    for b, a in zip(before, jax.tree_util.tree_leaves(stats)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    params, stats, opt_state = step(params, stats, opt_state, *_batch(shift=1.0))
+    assert any(not np.array_equal(np.asarray(a), b) for b, a in zip(before, jax.tree_util.tree_leaves(stats)))

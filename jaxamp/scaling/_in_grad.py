@@ -15,15 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ._dynamic_scaler import DynamicScalerState
-from ._finite import checked_scalar, is_inexact_leaf
+from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, select_tree
 from ._loss_scaling import LossScaleState, find_scaler_state
 
-__all__ = ["as_loss_scale", "scale_on_backward", "unscale_on_backward"]
+__all__ = ["as_loss_scale", "keep_returned_state", "scale_on_backward", "unscale_on_backward"]
 
 
 def _wide(dtype: Any) -> Any:
@@ -114,3 +115,37 @@ def _scale_of(state: DynamicScalerState) -> jax.Array:
     # `jnp.asarray` also reads an array held in a wrapper, as `nnx.Optimizer`
     # holds its state's leaves (in `nnx.OptState` variables).
     return jnp.asarray(state.scaler, jnp.float32)
+
+
+def _is_eqx_state(x: Any) -> bool:
+    return isinstance(x, eqx.nn.State)
+
+
+def keep_returned_state(inputs: Any, out: Any) -> Any:
+    """`out`, its `equinox.nn.State` the one among `inputs` where the forward pass was not finite.
+
+    A loss over a stateful Equinox model takes the state and returns its new
+    value (``return loss, state``): a NaN batch would make that NaN, and the
+    script would commit it although the step is skipped. The state is
+    recognised by its type, so it is kept automatically when `inputs` hold
+    exactly one `eqx.nn.State` and each one `out` holds has its structure;
+    otherwise `out` is returned as it is (the caller keeps it with
+    ``select_tree(opt_state.last_finite, new, old)``). Decided per device by
+    the forward values, as amp keeps flax nnx module state.
+    """
+    returned = [x for x in jax.tree_util.tree_leaves(out, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
+    if not returned:
+        return out
+    given = [x for x in jax.tree_util.tree_leaves(inputs, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
+    if len(given) != 1:
+        return out
+    (old,) = given
+    structure = jax.tree_util.tree_structure(old)
+    finite = local_all_finite(out)
+
+    def keep(x: Any) -> Any:
+        if _is_eqx_state(x) and jax.tree_util.tree_structure(x) == structure:
+            return select_tree(finite, x, old)
+        return x
+
+    return jax.tree_util.tree_map(keep, out, is_leaf=_is_eqx_state)
