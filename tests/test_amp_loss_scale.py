@@ -124,6 +124,10 @@ def test_every_form_of_loss_scale_gives_the_same_gradients():
         jnp.float32(2.0**9),
         jnp.bfloat16(2.0**9),
         optax.MultiSteps(jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**9), 2).init(params),
+        jaxamp.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2), scaler=2.0**9).init(params),
+        optax.inject_hyperparams(lambda learning_rate: jaxamp.loss_scaling(optax.sgd(learning_rate), scaler=2.0**9))(
+            learning_rate=0.1
+        ).init(params),
     ]
     results = [jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=f))(params, x, y) for f in forms]
     for result in results[1:]:
