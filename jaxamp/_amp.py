@@ -12,14 +12,7 @@ import equinox as eqx
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
-from .scaling._finite import local_all_finite
-from .scaling._in_grad import (
-    as_loss_scale,
-    keep_returned_state,
-    scale_on_backward,
-    unscale_on_backward,
-    wrap_floating,
-)
+from .scaling._in_grad import keep_returned_state, loss_scale_hooks
 
 __all__ = ["amp", "init_fp8_state"]
 
@@ -115,7 +108,8 @@ def amp(
         float32_gradient_reductions=float32_gradient_reductions,
     )
     options = AmpOptions.resolve(**settings)
-    scale = None if loss_scale is None else as_loss_scale(loss_scale)
+    # Validated here, before the function: a bad scale is named at once.
+    hooks = {} if loss_scale is None else loss_scale_hooks(loss_scale)
     if fn is None:
         return functools.partial(amp, **settings, loss_scale=loss_scale)
     if not callable(fn):
@@ -126,16 +120,6 @@ def amp(
 
     cache = EagerCache()
     delayed = options.fp8 is not None and options.fp8.scaling == "delayed"
-    hooks: dict[str, Any] = {}
-    if scale is not None:
-        hooks = dict(
-            wrap_inputs=lambda flat: wrap_floating(flat, scale, unscale_on_backward),
-            wrap_outputs=lambda flat: wrap_floating(flat, scale, scale_on_backward),
-            # A step whose forward pass is not finite will be skipped: the
-            # module state it computed (batch statistics, RNG counts) is not
-            # committed either. Decided per device, by the values it computed.
-            keep_state=lambda out, updates: local_all_finite((out, updates)),
-        )
 
     @functools.wraps(fn)
     def amp_fn(*args, **kwargs):

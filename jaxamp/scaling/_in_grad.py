@@ -24,7 +24,13 @@ from ._dynamic_scaler import DynamicScalerState
 from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, select_tree
 from ._loss_scaling import LossScaleState, find_scaler_state
 
-__all__ = ["as_loss_scale", "keep_returned_state", "scale_on_backward", "unscale_on_backward"]
+__all__ = [
+    "as_loss_scale",
+    "keep_returned_state",
+    "loss_scale_hooks",
+    "scale_on_backward",
+    "unscale_on_backward",
+]
 
 
 def _wide(dtype: Any) -> Any:
@@ -71,6 +77,25 @@ def wrap_floating(values: list, scale: jax.Array, wrap: Any) -> list:
         wrap(v, scale) if is_inexact_leaf(v) and not isinstance(v, (float, complex)) else v
         for v in values
     ]
+
+
+def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
+    """What `amp` hands `AmpOptions.run` for ``loss_scale=`` (validated by `as_loss_scale`).
+
+    Returns:
+        ``wrap_inputs`` (unscale each floating input's cotangent),
+        ``wrap_outputs`` (scale each floating output's cotangent) and
+        ``keep_state``: a step whose forward pass is not finite will be
+        skipped, so the nnx module state it computed (batch statistics, RNG
+        counts) is not committed either; decided per device, by the values
+        that device computed.
+    """
+    scale = as_loss_scale(loss_scale)
+    return dict(
+        wrap_inputs=lambda flat: wrap_floating(flat, scale, unscale_on_backward),
+        wrap_outputs=lambda flat: wrap_floating(flat, scale, scale_on_backward),
+        keep_state=lambda out, updates: local_all_finite((out, updates)),
+    )
 
 
 def as_loss_scale(loss_scale: Any) -> jax.Array:
