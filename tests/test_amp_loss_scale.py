@@ -238,7 +238,7 @@ def test_with_an_equinox_module_and_filter_value_and_grad():
     def loss_fn(model, x, y):
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
-    value, grads = eqx.filter_value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state))(
+    _, grads = eqx.filter_value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state))(
         model, x, y
     )
     _, (_, expected) = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16"))(
@@ -285,7 +285,7 @@ def test_under_pmap_an_overflow_on_one_replica_leaves_every_replica_with_the_sam
     params = _params()
     x, y = _batch(n=4 * N)
     x = x.at[4 * 2].multiply(300.0)  # replica 2's batch overflows the scaled float16 backward
-    replicate = lambda tree: jax.tree_util.tree_map(lambda v: jnp.stack([v] * N), tree)  # noqa: E731
+    replicate = lambda tree: jax.tree_util.tree_map(lambda v: jnp.stack([v] * N), tree)
 
     @functools.partial(jax.pmap, axis_name="batch")
     def step(params, opt_state, x, y):
@@ -323,7 +323,7 @@ def test_in_shard_map_with_check_vma_no_axis_name_is_needed():
 
     def body(params, opt_state, x, y):
         grads = jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=opt_state))(params, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        _, opt_state = optimizer.update(grads, opt_state, params)
         return opt_state.scale[None], opt_state.last_finite[None]
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp")), out_specs=(P("dp"), P("dp"))))

@@ -97,7 +97,7 @@ def test_equinox_state_is_kept_by_select_tree_on_last_finite():
     @eqx.filter_jit
     def step(model, state, opt_state, x, y):
         loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
-        (value, new_state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, x, y)
+        (_, new_state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         model = eqx.apply_updates(model, updates)
         state = jaxamp.select_tree(opt_state.last_finite, new_state, state)  # the one line
@@ -126,7 +126,7 @@ def test_equinox_state_taken_and_returned_is_kept_automatically_on_a_nan_batch()
     @eqx.filter_jit
     def step(model, state, opt_state, x, y):  # the bf16 step with two lines changed
         loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
-        (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, x, y)
+        (_, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), state, opt_state
 

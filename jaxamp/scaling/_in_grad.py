@@ -91,11 +91,11 @@ def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
         that device computed.
     """
     scale = as_loss_scale(loss_scale)
-    return dict(
-        wrap_inputs=lambda flat: wrap_floating(flat, scale, unscale_on_backward),
-        wrap_outputs=lambda flat: wrap_floating(flat, scale, scale_on_backward),
-        keep_state=lambda out, updates: local_all_finite((out, updates)),
-    )
+    return {
+        "wrap_inputs": lambda flat: wrap_floating(flat, scale, unscale_on_backward),
+        "wrap_outputs": lambda flat: wrap_floating(flat, scale, scale_on_backward),
+        "keep_state": lambda out, updates: local_all_finite((out, updates)),
+    }
 
 
 def as_loss_scale(loss_scale: Any) -> jax.Array:
