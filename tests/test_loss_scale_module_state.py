@@ -176,3 +176,15 @@ def test_linen_batch_stats_returned_through_aux_are_kept_by_select_tree():
         np.testing.assert_array_equal(np.asarray(a), b)
     params, stats, opt_state = step(params, stats, opt_state, *_batch(shift=1.0))
     assert any(not np.array_equal(np.asarray(a), b) for b, a in zip(before, jax.tree_util.tree_leaves(stats)))
+
+
+def test_nnx_statistics_of_a_clean_step_are_those_amp_computes_without_loss_scale():
+    # The keep-or-commit select runs inside amp's program: the committed
+    # statistics must not be rounded through float16 on the way.
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, D)) * 3
+    scaled, plain = _Net(nnx.Rngs(0, dropout=1)), _Net(nnx.Rngs(0, dropout=1))
+    nnx.grad(jaxamp.amp(lambda m, x: jnp.mean(m(x) ** 2), compute_dtype="f16", loss_scale=4.0))(scaled, x)
+    nnx.grad(jaxamp.amp(lambda m, x: jnp.mean(m(x) ** 2), compute_dtype="f16"))(plain, x)
+    for a, b in zip(_stats(scaled), _stats(plain)):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
