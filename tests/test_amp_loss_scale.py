@@ -343,3 +343,45 @@ def test_with_fp8_delayed_the_observed_amaxes_are_those_of_the_explicit_path():
     _, expected = jax.jit(explicit)(params, state, dynamic_scaler_state=jaxamp.DynamicScalerState(scaler=2.0**6))
     assert _finite(got)
     assert _bits(got) == _bits(expected)
+
+
+def test_under_jit_on_an_explicit_mesh_a_nan_in_one_shard_skips_the_step():
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**15)
+    mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x, y = _batch(n=4 * N)
+    x = x.at[4 * 3, 0].set(jnp.nan)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(_params(), jax.sharding.NamedSharding(mesh, P()))
+        x, y = (jax.device_put(a, jax.sharding.NamedSharding(mesh, P("dp"))) for a in (x, y))
+
+        @jax.jit
+        def step(params, opt_state, x, y):
+            grads = jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=opt_state))(params, x, y)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        new_params, state = step(params, optimizer.init(params), x, y)
+    assert float(state.scale) == 2.0**14 and not bool(state.last_finite)
+    assert _bits(new_params) == _bits(params)
+
+
+def test_in_shard_map_without_check_vma_the_wrapper_decides_over_its_axis_name():
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**15, axis_name="dp")
+    mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = _params()
+    x, y = _batch(n=4 * N)
+    x = x.at[4 * 1, 0].set(jnp.inf)
+
+    def body(params, opt_state, x, y):
+        grads = jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=opt_state))(params, x, y)
+        _, opt_state = optimizer.update(grads, opt_state, params)
+        return opt_state.scale[None], opt_state.last_finite[None]
+
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P(), P("dp"), P("dp")), out_specs=(P("dp"), P("dp")), check_vma=False
+        )
+    )
+    scales, finite = fn(params, optimizer.init(params), x, y)
+    np.testing.assert_array_equal(np.asarray(scales), [2.0**14] * N)
+    np.testing.assert_array_equal(np.asarray(finite), [False] * N)
