@@ -12,7 +12,9 @@ blocks with causal attention and layer norm, stacked and run under
 
 By default two runs start from the same weights and see the same batches; the
 only difference is ``jaxamp.amp(loss, compute_dtype="bf16")``. ``--modes`` picks
-other runs: ``amp fp8`` runs the matmuls in float8 (`jaxamp.fp8.Fp8Recipe`'s
+other runs: ``amp f16`` computes in float16 with dynamic loss scaling (the
+optimizer in `jaxamp.loss_scaling`, whose state ``amp(..., loss_scale=opt_state)``
+reads), ``amp fp8`` runs the matmuls in float8 (`jaxamp.fp8.Fp8Recipe`'s
 current scaling; float8 is emulated on CPU, so it is slower there), ``amp fp8
 rowwise``, ``amp fp8 mxfp8``, ``amp fp8 blockwise`` and ``amp fp8 delayed``
 with those scaling recipes (the delayed one threads its `jaxamp.fp8.Fp8State`
@@ -53,6 +55,7 @@ from benchmarks.optimizer_memory import PRECISIONS, clipped_adamw  # noqa: E402
 MODES = {
     "float32": (None, "float32"),
     "amp bf16": ("bf16", "float32"),
+    "amp f16": ("f16", "float32"),
     "amp fp8": ("fp8", "float32"),
     "amp fp8 rowwise": (jaxamp.fp8.Fp8Recipe(scaling="rowwise"), "float32"),
     "amp fp8 mxfp8": (jaxamp.fp8.Fp8Recipe(scaling="mxfp8"), "float32"),
@@ -111,7 +114,12 @@ def make_train_step(compute_dtype, optimizer: optax.GradientTransformation, moni
     loss = lm_loss if compute_dtype is None else jaxamp.amp(lm_loss, compute_dtype=compute_dtype)
 
     def step(model, opt_state, fp8_state, tokens, targets):
-        if fp8_state is None:
+        if compute_dtype == "f16":
+            # The optimizer is wrapped in jaxamp.loss_scaling: its state holds
+            # the loss scale, by which amp scales the float16 backward pass.
+            scaled = jaxamp.amp(lm_loss, compute_dtype="f16", loss_scale=opt_state)
+            value, grads = eqx.filter_value_and_grad(scaled)(model, tokens, targets)
+        elif fp8_state is None:
             value, grads = eqx.filter_value_and_grad(loss)(model, tokens, targets)
         else:
             # The gradient with respect to the state is the step's amaxes.
@@ -259,6 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
         precision = PRECISIONS[storage]
         # Every mode draws its stochastic rounding from the same seed.
         wrapped = precision.wrap(optimizer, jax.random.key(args.seed))
+        if dtype == "f16":
+            # float16's loss scale lives in the optimizer state (amp reads it).
+            wrapped = jaxamp.loss_scaling(wrapped)
         model = jaxamp.policies.cast_floating(init, precision.param_dtype)
         monitored = args.monitor is not None and dtype is not None
         step, loss = make_train_step(dtype, wrapped, monitor=monitored)

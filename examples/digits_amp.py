@@ -8,10 +8,11 @@ The same model, data order and initialisation run
 * in float32;
 * under ``jaxamp.amp(loss, compute_dtype="bf16")``: matmuls and convolutions in
   bfloat16, the rest in the precision amp's policy picks;
-* under ``jaxamp.amp(loss, compute_dtype="f16")`` with dynamic loss scaling
-  (`jaxamp.dynamic_scale_value_and_grad`): float16's narrow range makes small
+* under ``jaxamp.amp(loss, compute_dtype="f16", loss_scale=opt_state)`` with
+  dynamic loss scaling (the optimizer wrapped in `jaxamp.loss_scaling`, whose
+  state holds the scale): float16's narrow range makes small
   gradients underflow to zero unless the loss is scaled up first. Steps whose
-  gradients overflow are skipped and the scale halved (`DynamicScalerState`);
+  gradients overflow are skipped and the scale halved (`DynamicScalerState`'s rules);
 * under ``jaxamp.amp(loss, compute_dtype="fp8")``: bf16 mode with float8
   matmuls and convolutions (e4m3 operands scaled per tensor, e5m2 gradients;
   see docs/float8.md). The first convolution sums only 1 x 3 x 3 = 9
@@ -97,29 +98,29 @@ def load_data(seed: int):
 
 
 def make_train_step(compute_dtype: str | None, optimizer: optax.GradientTransformation):
-    """A jitted ``step(model, opt_state, scaler, images, labels)`` for one run.
+    """A jitted ``step(model, opt_state, images, labels)`` for one run.
 
-    Returns ``(model, opt_state, scaler, loss)``; ``scaler`` is a
-    `jaxamp.DynamicScalerState` for float16 and None otherwise.
+    Returns ``(model, opt_state, loss)``. For float16, `optimizer` is wrapped
+    in `jaxamp.loss_scaling` and its state holds the loss scale; the step is
+    the bfloat16 one with ``loss_scale=opt_state`` added to `amp`.
     """
-    loss = loss_fn if compute_dtype is None else jaxamp.amp(loss_fn, compute_dtype=compute_dtype)
 
     @eqx.filter_jit
-    def step(model, opt_state, scaler, images, labels):
-        if scaler is None:
-            value, grads = eqx.filter_value_and_grad(loss)(model, images, labels)
+    def step(model, opt_state, images, labels):
+        if compute_dtype is None:
+            loss = loss_fn
+        elif compute_dtype == "f16":
+            # amp multiplies the loss's cotangent by the scale before the float16
+            # backward pass and divides the gradients by it after (in float32),
+            # so float16 gradients neither underflow nor, once the scale has
+            # adapted, overflow. An overflowing step is skipped by the optimizer
+            # wrapper (zero updates, its state as it was) and the scale halved.
+            loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
         else:
-            # The loss is multiplied by the scale before differentiating and the
-            # gradients divided by it after (in float32), so float16 gradients
-            # neither underflow nor, once the scale has adapted, overflow.
-            # redo_on_nan=0: an overflowing step is not recomputed but skipped
-            # below, and the scale halved for the next one.
-            grad_fn = jaxamp.dynamic_scale_value_and_grad(loss, redo_on_nan=0)
-            scaler, (value, grads) = grad_fn(model, images, labels, dynamic_scaler_state=scaler)
-        # For float16 `optimizer` is wrapped in jaxamp.scaling.skip_nonfinite_updates: on
-        # a non-finite step it returns zero updates and keeps its state as it was.
+            loss = jaxamp.amp(loss_fn, compute_dtype=compute_dtype)
+        value, grads = eqx.filter_value_and_grad(loss)(model, images, labels)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, scaler, value
+        return eqx.apply_updates(model, updates), opt_state, value
 
     return step
 
@@ -164,10 +165,9 @@ def train(
     x_train, x_test, y_train, y_test = data
     model = CNN(key=jax.random.key(seed))
     optimizer = optax.adam(lr)
-    scaler = None
-    if compute_dtype == "f16":
-        optimizer = jaxamp.scaling.skip_nonfinite_updates(optimizer)
-        scaler = jaxamp.DynamicScalerState(patience=patience)
+    scaled = compute_dtype == "f16"
+    if scaled:
+        optimizer = jaxamp.loss_scaling(optimizer, patience=patience)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     step = make_train_step(compute_dtype, optimizer)
 
@@ -176,16 +176,14 @@ def train(
     losses, scales, times, skipped_at = [], [], [], []
     for i in tqdm(range(steps), desc=f"{name:>22}", unit="step", leave=True):
         idx = batches.choice(len(x_train), batch_size, replace=False)
-        if scaler is not None:
-            scales.append(float(scaler.scaler))
+        if scaled:
+            scales.append(float(opt_state.scale))
         start = time.perf_counter()
-        model, opt_state, scaler, loss = jax.block_until_ready(
-            step(model, opt_state, scaler, x_train[idx], y_train[idx])
-        )
+        model, opt_state, loss = jax.block_until_ready(step(model, opt_state, x_train[idx], y_train[idx]))
         if i:  # step 0 includes compilation
             times.append(time.perf_counter() - start)
         losses.append(float(loss))
-        if scaler is not None and not bool(opt_state.last_finite):
+        if scaled and not bool(opt_state.last_finite):
             skipped_at.append(i)
 
     forward = jax.vmap(model)
@@ -199,7 +197,7 @@ def train(
         loss_scales=scales,
         test_accuracy=100.0 * float(jnp.mean(predictions == y_test)),
         step_seconds=float(np.mean(times)) if times else math.nan,
-        skipped_steps=int(scaler.total_resets) if scaler is not None else 0,
+        skipped_steps=int(opt_state.scaler_state.total_resets) if scaled else 0,
         skipped_at=skipped_at,
         nonfinite_params=int(sum(jnp.sum(~jnp.isfinite(p)) for p in params)),
     )

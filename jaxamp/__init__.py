@@ -2,8 +2,8 @@
 
 The top level holds what a first training step needs: `amp` and its policy
 table (`default_amp_policy`, the ``use_*`` rules, `amp_stop`), the loss
-scalers for float16 (jaxamp's `DynamicScalerState`, jmp's loss scales,
-PyTorch's `GradScaler`), jmp's `Policy` helpers, and the three diagnostics
+scalers for float16 (`loss_scaling`, the optax wrapper whose state holds the
+scale; jaxamp's `DynamicScalerState`, jmp's loss scales, PyTorch's `GradScaler`), jmp's `Policy` helpers, and the three diagnostics
 `explain`, `find_nonfinite` and `compare`. Feature families live in their
 namespaces, each with its guide under docs/:
 
@@ -30,11 +30,13 @@ from .scaling import (
     DynamicScalerState,
     GradScaler,
     LossScale,
+    LossScaleState,
     NoOpLossScale,
     StaticLossScale,
     all_finite,
     dynamic_scale_grad,
     dynamic_scale_value_and_grad,
+    loss_scaling,
     select_tree,
 )
 from .transform._rules import (
@@ -56,6 +58,7 @@ __all__ = [
     "DynamicLossScaler",
     "DynamicScalerState",
     "GradScaler",
+    "LossScaleState",
     "LossScale",
     "NoOpLossScale",
     "Policy",
@@ -73,6 +76,7 @@ __all__ = [
     "find_nonfinite",
     "get_policy",
     "half_dtype",
+    "loss_scaling",
     "select_tree",
     "use_compute_precision",
     "use_current_precision",

@@ -10,6 +10,7 @@ from typing import Any
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
+from .scaling._in_grad import keep_returned_state, loss_scale_hooks
 
 __all__ = ["amp"]
 
@@ -21,6 +22,7 @@ def amp(
     amp_policy: Mapping[Any, Callable] | None = None,
     policy: Any = None,
     float32_gradient_reductions: bool = False,
+    loss_scale: Any = None,
 ) -> Callable:
     """Make `fn` run in mixed precision.
 
@@ -63,6 +65,27 @@ def amp(
             (it doubles those all-reduces' bytes; see docs/distributed.md).
             Convolutions and grouped matmuls keep accumulating in the compute
             dtype; amp warns once when it meets one.
+        loss_scale: dynamic loss scaling inside the gradient, for float16:
+            the state of an optimizer wrapped in `jaxamp.loss_scaling` (the
+            whole state tree; its one `LossScaleState` is found by type), a
+            `DynamicScalerState`, or a scale (a positive float or float
+            scalar array). The function's value is unchanged; a transform
+            that differentiates it (`jax.grad`, `equinox.filter_grad`,
+            `nnx.grad`...) multiplies the output's cotangent by the scale,
+            runs the half-precision backward pass on the scaled values, and
+            divides each input's cotangent by the scale in float32: the
+            gradients come back in their true scale and their own dtype,
+            non-finite where the scaled backward overflowed (the wrapper's
+            update then skips the step and shrinks the scale). The state
+            the function changes in flax nnx modules among its arguments
+            (BatchNorm statistics, RNG counts) is kept as it was when the
+            forward pass was not finite (its output or that state), and so
+            is an ``eqx.nn.State`` it takes and returns; other state a
+            function returns (Linen ``batch_stats``, haiku's state) is the
+            caller's to keep: ``jaxamp.select_tree(opt_state.last_finite,
+            new, old)`` after the update (docs/loss_scaling.md). Forward-mode
+            differentiation (`jax.jvp`, `jax.jacfwd`) is not supported with
+            it. The eager cache is not used.
 
     Returns:
         The mixed-precision function (or a decorator when `fn` is omitted).
@@ -83,8 +106,10 @@ def amp(
         float32_gradient_reductions=float32_gradient_reductions,
     )
     options = AmpOptions.resolve(**settings)
+    # Validated here, before the function: a bad scale is named at once.
+    hooks = {} if loss_scale is None else loss_scale_hooks(loss_scale)
     if fn is None:
-        return functools.partial(amp, **settings)
+        return functools.partial(amp, **settings, loss_scale=loss_scale)
     if not callable(fn):
         raise TypeError(
             f"amp expects a callable (a function, or an Equinox module with a "
@@ -99,13 +124,17 @@ def amp(
         if delayed:
             state = _delayed_state(kwargs.pop("fp8_state", None))
             # Not cached eagerly: the histories are inputs of this call only.
-            return options.run(fn, args, kwargs, site_state=state.site_state())
+            out = options.run(fn, args, kwargs, site_state=state.site_state(), **hooks)
+            return keep_returned_state((args, kwargs), out) if hooks else out
         if "fp8_state" in kwargs and not _takes_keyword(fn, "fp8_state"):
             raise TypeError(
                 "fp8_state= is the amax histories of Fp8Recipe(scaling='delayed'); this function was made by "
                 f"jaxamp.amp with {options.fp8 or options.compute_dtype.name!r}, which keeps no state. Pass "
                 "compute_dtype=jaxamp.fp8.Fp8Recipe(scaling='delayed') to amp, or drop fp8_state."
             )
+        if hooks:
+            # Not cached: the scale is an input of this call, often a tracer.
+            return keep_returned_state((args, kwargs), options.run(fn, args, kwargs, **hooks))
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]

@@ -76,16 +76,41 @@ class AmpOptions:
         return with_float32_accumulation(table) if self.float32_accumulation else table
 
     def run(
-        self, fn: Callable, args: tuple, kwargs: dict, *, observer=None, inline=False, site_state=None
+        self,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        *,
+        observer=None,
+        inline=False,
+        site_state=None,
+        wrap_inputs: Callable[[list], list] | None = None,
+        wrap_outputs: Callable[[list], list] | None = None,
+        keep_state: Callable[[Any, list], Any] | None = None,
     ) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp.
 
         `site_state`: the values rules take per site (the delayed fp8 recipe's
         histories, `jaxamp.transform._site_state`); None with the delayed
         recipe makes zeros (its first step), as the diagnostics run it.
+
+        `wrap_inputs` / `wrap_outputs`: applied to the program's flat inputs
+        (the array leaves of the arguments, or of nnx objects' state) before
+        it runs, and to `fn`'s own flat outputs after (not to the nnx state it
+        writes back); each returns a list of the same values. Loss scaling
+        inside `jax.grad` puts its identities with a scaling backward there
+        (`amp`'s ``loss_scale``): outside the rewritten program, so amp's
+        rules never see them.
+
+        `keep_state`: ``keep_state(out, updates)``, a boolean scalar; where it
+        is false, the state `fn` changed in flax nnx objects among its
+        arguments is written back as it was before the call (loss scaling
+        commits no module state from a non-finite forward pass).
         """
         with _collection_paused():
-            closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs)
+            closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs, keep_state)
+            if wrap_inputs is not None:
+                flat_args = wrap_inputs(list(flat_args))
             ctx = self._context(observer=observer, inline=inline)
             # Re-emitted straight into the caller's trace (grad, vmap, an outer
             # jit), like the user's own code: calls keep their jaxprs (see
@@ -93,6 +118,8 @@ class AmpOptions:
             # distinct body once and source lines stay the user's.
             with _site_state.threading(self._site_state(site_state, inline)):
                 outs = self._evaluate(closed, flat_args, num_outs, ctx)
+            if wrap_outputs is not None:
+                outs[:num_outs] = wrap_outputs(outs[:num_outs])
         return rebuild(outs)
 
     def discover_sites(self, fn: Callable, args: tuple, kwargs: dict) -> _site_state.SiteState:
@@ -271,7 +298,7 @@ def _check_policy_table(table: Any) -> Mapping[Any, Callable]:
     return table
 
 
-def _trace(fn: Callable, args: tuple, kwargs: dict):
+def _trace(fn: Callable, args: tuple, kwargs: dict, keep_state: Callable[[Any, list], Any] | None = None):
     """Trace `fn` with the array leaves of its arguments as inputs.
 
     Returns:
@@ -285,6 +312,8 @@ def _trace(fn: Callable, args: tuple, kwargs: dict):
     nnx_call = _nnx.lift(fn, args, kwargs)
     if nnx_call is not None:
         fn, args, kwargs = nnx_call.fn, nnx_call.args, nnx_call.kwargs
+        if keep_state is not None:
+            fn = _keeping_state(nnx_call, keep_state)
     closed, flat_args, out_tree, rebuild_out = trace_array_leaves(fn, args, kwargs, _compat.trace_keeping_calls)
     # The nnx call returns ``(out, state updates)``: out's leaves come first.
     num_outs = out_tree.num_leaves if nnx_call is None else out_tree.children()[0].num_leaves
@@ -295,4 +324,17 @@ def _trace(fn: Callable, args: tuple, kwargs: dict):
 
     stateless = nnx_call is None or nnx_call.holds_no_state
     return closed, flat_args, num_outs, rebuild, stateless
+
+
+def _keeping_state(nnx_call: Any, keep_state: Callable[[Any, list], Any]) -> Callable:
+    """`nnx_call.fn` whose state updates are the old values where ``keep_state(out, updates)`` is false."""
+
+    def fn(state: Any, *args: Any, **kwargs: Any) -> Any:
+        before = nnx_call.values(state)
+        out, (updates, created) = nnx_call.fn(state, *args, **kwargs)
+        if updates:
+            updates = nnx_call.changes_if(keep_state(out, updates), updates, before)
+        return out, (updates, created)
+
+    return fn
 

@@ -23,6 +23,10 @@ Modes:
   global amaxes).
 * ``--low-precision``: bfloat16 parameters updated with stochastic rounding
   (`jaxamp.optim.low_precision_params`), keyed from the step number.
+* ``--api wrapper``: the loss scale lives in the optimizer state
+  (`jaxamp.loss_scaling`, with ``axis_name="dp"`` in ``shard_map``) and amp
+  scales inside the gradient (``amp(..., loss_scale=opt_state)``); the
+  "scaler" saved is the state's `DynamicScalerState`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bf16", "f16", "fp8", "fp8-delayed"], default="bf16")
     parser.add_argument("--axis-type", choices=["explicit", "auto"], default="explicit")
     parser.add_argument("--redo-on-nan", type=int, default=0)
+    parser.add_argument("--api", choices=["explicit", "wrapper"], default="explicit")
     parser.add_argument("--low-precision", action="store_true")
     parser.add_argument("--float32-reductions", action="store_true")
     parser.add_argument("--steps", type=int, default=8)
@@ -177,6 +182,61 @@ def main():
                 return params, opt_state, scaler, fp8_state.update(observed), loss, opt_state.last_finite
 
             opt_state = optimizer.init(params)
+        elif ARGS.api == "wrapper":
+            # The scale in the optimizer state; amp scales inside the gradient.
+            optimizer = jaxamp.loss_scaling(
+                make_optimizer(), scaler=2.0**15, patience=3, axis_name="dp" if ARGS.mode == "shard_map" else None
+            )
+
+            def grads_of(params, opt_state, x, y):
+                loss = jaxamp.amp(
+                    loss_fn, compute_dtype=compute_dtype, loss_scale=opt_state,
+                    float32_gradient_reductions=ARGS.float32_reductions,
+                )
+                return jax.value_and_grad(loss)(params, x, y)
+
+            if ARGS.mode == "jit":
+
+                @jax.jit
+                def step(params, opt_state, scaler, x, y):
+                    loss, grads = grads_of(params, opt_state, x, y)
+                    updates, opt_state = optimizer.update(grads, opt_state, params)
+                    params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+                    return params, opt_state, opt_state.scaler_state, loss, opt_state.last_finite
+
+                opt_state = optimizer.init(params)
+            else:
+
+                def body(shards, opt_state, scaler, x, y):
+                    params = jax.tree_util.tree_map(
+                        lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), shards
+                    )
+                    loss, grads = grads_of(params, opt_state, x, y)
+                    grads = jax.tree_util.tree_map(
+                        lambda g: jax.lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True) / DEVICES,
+                        grads,
+                    )
+                    updates, opt_state = optimizer.update(grads, opt_state, shards)
+                    shards = jaxamp.apply_if_finite_updates(shards, updates, opt_state.last_finite)
+                    return shards, opt_state, opt_state.scaler_state, jax.lax.pmean(loss, "dp"), opt_state.last_finite
+
+                def specs(tree):
+                    return jax.tree_util.tree_map(lambda leaf: P("dp") if leaf.ndim else P(), tree)
+
+                param_spec = specs(params)
+                params = jax.device_put(params, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), param_spec))
+                state_spec = specs(jax.eval_shape(optimizer.init, params))
+                step = jax.jit(
+                    jax.shard_map(
+                        body, mesh=mesh,
+                        in_specs=(param_spec, state_spec, P(), P("dp"), P("dp")),
+                        out_specs=(param_spec, state_spec, P(), P(), P()),
+                        check_vma=False,  # as pmap: the wrapper decides over its axis_name
+                    )
+                )
+                opt_state = jax.jit(
+                    jax.shard_map(optimizer.init, mesh=mesh, in_specs=(param_spec,), out_specs=state_spec)
+                )(params)
         elif ARGS.mode == "jit":
             optimizer = jaxamp.skip_nonfinite_updates(make_optimizer())
             grad_fn = jaxamp.dynamic_scale_value_and_grad(

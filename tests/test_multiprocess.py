@@ -99,6 +99,21 @@ def test_multiprocess_f16_redo_agrees_on_every_process(tmp_path, mode):
     np.testing.assert_allclose(two[0]["losses"][finite_losses], ref["losses"][finite_losses], rtol=2e-3)
 
 
+@pytest.mark.parametrize("mode", ["jit", "shard_map"])
+def test_multiprocess_f16_with_the_scale_in_the_optimizer_state_agrees_on_every_process(tmp_path, mode):
+    # jaxamp.loss_scaling + amp(loss_scale=opt_state): the NaN in one
+    # process's data (step 2) and the float16 overflow in its rows (step 4)
+    # skip the step on every process, which all keep the same scale, as one
+    # process does.
+    two, (one,) = _launch_both(tmp_path, ["--mode", mode, "--dtype", "f16", "--api", "wrapper"])
+    _assert_processes_identical(two, mode)
+    np.testing.assert_array_equal(two[0]["finite"], one["finite"])
+    np.testing.assert_array_equal(two[0]["scales"], one["scales"])
+    assert not one["finite"][2] and not one["finite"][4]
+    assert one["scales"][2] == 2.0**14 and one["scales"][4] == 2.0**13
+    np.testing.assert_allclose(two[0]["params_f32"], one["params_f32"], rtol=2e-3, atol=2e-4)
+
+
 def test_multiprocess_f16_with_float32_gradient_reductions(tmp_path):
     # Measured (8 steps, JAX 0.12): the largest parameter difference from one
     # process is 4.1e-5 with float16 gradient sums and 1.4e-5 with float32

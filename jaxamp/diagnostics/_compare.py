@@ -87,7 +87,8 @@ class ComparisonReport:
         output_db: SQNR of the function's floating outputs.
         scopes: one `ScopeError` per scope, worst local figure first.
         gradients: one `GradientError` per floating argument leaf, worst
-            first; empty when the function does not return a floating scalar.
+            first; empty when the function returns neither a floating scalar
+            nor a ``(floating scalar, aux)`` pair.
     """
 
     compute_dtype: str
@@ -125,7 +126,9 @@ def compare(fn: Callable, **amp_options: Any) -> Callable[..., ComparisonReport]
 
     Runs eagerly, equation by equation, twice (float32 as written, and under
     amp with `amp_options`), plus one gradient of each when `fn` returns a
-    floating scalar. For a diagnosis on one batch, not for a training loop.
+    floating scalar, or a ``(loss, aux)`` pair (the loss is differentiated,
+    as with ``has_aux=True``; aux's floating leaves count in the outputs'
+    figure). For a diagnosis on one batch, not for a training loop.
 
     Loop bodies (``lax.scan``, ``while_loop``) start every iteration from the
     float32 run's values in the local figure, and report the last iteration.
@@ -304,8 +307,29 @@ def _scope_errors(amp_events: list, float32_events: list, float32_out: Any) -> t
     return tuple(sorted(errors, key=lambda e: (e.local_db, e.accumulated_db)))
 
 
+def _is_floating_scalar(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, float)) and jnp.ndim(x) == 0 and _is_floating(
+        jnp.asarray(x)
+    )
+
+
+def _differentiable_value(out: Any) -> Callable[[Any], Any] | None:
+    """How to pick the value to differentiate out of `fn`'s output, or None if there is none.
+
+    A floating scalar is the value; a ``(value, aux)`` pair with a floating
+    scalar first is a loss with auxiliary outputs (``has_aux=True`` in
+    `jax.grad`), as `explain` and `amp` take it.
+    """
+    if _is_floating_scalar(out):
+        return lambda o: o
+    if isinstance(out, (tuple, list)) and len(out) == 2 and _is_floating_scalar(out[0]):
+        return lambda o: o[0]
+    return None
+
+
 def _gradient_errors(fn: Callable, options: AmpOptions, args: tuple, kwargs: dict, out: Any) -> tuple:
-    if not (jnp.ndim(out) == 0 and _is_floating(out)):
+    value_of = _differentiable_value(out)
+    if value_of is None:
         return ()
     paths, treedef = jax.tree_util.tree_flatten_with_path(args)
     floating = [k for k, (_, leaf) in enumerate(paths) if _is_floating(leaf)]
@@ -316,7 +340,7 @@ def _gradient_errors(fn: Callable, options: AmpOptions, args: tuple, kwargs: dic
             new = list(leaves)
             for k, x in zip(floating, chosen):
                 new[k] = x
-            return f(*jax.tree.unflatten(treedef, new), **kwargs)
+            return value_of(f(*jax.tree.unflatten(treedef, new), **kwargs))
 
         return loss
 

@@ -8,6 +8,9 @@
   `NoOpLossScale` (the `LossScale` union), with jmp's `register_empty_pytree` and
   `warn_if_not_floating`.
 - `GradScaler`: PyTorch's ``torch.amp.GradScaler``, functional and jit-able.
+- `loss_scaling`: an optax wrapper whose state (`LossScaleState`) holds the
+  scale, for ``amp(..., loss_scale=opt_state)`` to scale inside the gradient:
+  float16 as bfloat16 plus two lines.
 
 `all_finite` says whether a pytree is free of inf and NaN, on every device,
 and `select_tree` takes one of two pytrees by it (jmp's pair).
@@ -16,7 +19,7 @@ changes nothing (its state is a `SkipNonFiniteState`), and
 `apply_if_finite_updates` applies the updates on a finite step and leaves the
 parameters' bits alone on a skipped one.
 
-The scalers, the jmp loss scales, `all_finite` and `select_tree` are also at
+`loss_scaling`, the scalers, the jmp loss scales, `all_finite` and `select_tree` are also at
 the top level (`jaxamp.DynamicScalerState`...). The guide is
 docs/loss_scaling.md.
 """
@@ -38,6 +41,7 @@ from ._loss_scale import (
     register_empty_pytree,
     warn_if_not_floating,
 )
+from ._loss_scaling import LossScaleState, loss_scaling
 from ._optax import SkipNonFiniteState, apply_if_finite_updates, skip_nonfinite_updates
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "DynamicScalerState",
     "GradScaler",
     "LossScale",
+    "LossScaleState",
     "NoOpLossScale",
     "SkipNonFiniteState",
     "StaticLossScale",
@@ -54,6 +59,7 @@ __all__ = [
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
+    "loss_scaling",
     "register_empty_pytree",
     "select_tree",
     "skip_nonfinite_updates",

@@ -45,6 +45,7 @@ __all__ = [
     "dynamic_scale_grad",
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
+    "next_scaler_state",
 ]
 
 
@@ -155,7 +156,7 @@ jax.tree_util.register_pytree_with_keys(
 DynamicLossScaler = DynamicScalerState
 
 
-def _checked_state(state: Any) -> DynamicScalerState:
+def checked_scaler_state(state: Any) -> DynamicScalerState:
     if not isinstance(state, DynamicScalerState):
         raise TypeError(
             "dynamic_scaler_state must be a jaxamp.DynamicScalerState, got "
@@ -165,7 +166,15 @@ def _checked_state(state: Any) -> DynamicScalerState:
     return DynamicScalerState(*state)
 
 
-def _next_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerState:
+def next_scaler_state(state: DynamicScalerState, finite: jax.Array) -> DynamicScalerState:
+    """`state` after one step, given whether the step was finite on every device.
+
+    The one place a `DynamicScalerState` moves: `dynamic_scale_tx` and the
+    optax wrapper `jaxamp.loss_scaling` (whose state holds one) both call it,
+    so the two paths take bit-identical scales and counts from the same
+    sequence of steps. The rule itself is `next_scale`; a non-finite step also
+    counts one more reset (a skipped step).
+    """
     scaler, count = next_scale(
         state.scaler,
         state.count,
@@ -381,9 +390,9 @@ def dynamic_scale_tx(
                 if graph is not None:
                     updates, created = changes
                     results = (results, (graph.changes_if(finite, updates, before), created))
-                return _Attempt(finite, fixable, _next_state(state, finite), results)
+                return _Attempt(finite, fixable, next_scaler_state(state, finite), results)
 
-            state = _checked_state(dynamic_scaler_state)
+            state = checked_scaler_state(dynamic_scaler_state)
             module_state = None if graph is None else graph.args[0]
             if redo_on_nan == 0:
                 result = attempt(state, module_state)

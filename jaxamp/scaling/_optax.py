@@ -25,7 +25,14 @@ from ._finite import (
     select_tree,
 )
 
-__all__ = ["SkipNonFiniteState", "apply_if_finite_updates", "skip_nonfinite_updates"]
+__all__ = [
+    "SkipNonFiniteState",
+    "apply_if_finite_updates",
+    "check_optimizer",
+    "gradients_finite",
+    "skip_nonfinite_updates",
+    "update_if_finite",
+]
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -43,6 +50,45 @@ class SkipNonFiniteState(NamedTuple):
     last_finite: jax.Array
     notfinite_count: jax.Array
     total_notfinite: jax.Array
+
+
+def gradients_finite(grads: Any, axis_name: AxisName | None, *, what: str) -> jax.Array:
+    """Whether `grads` are finite on every device: the decision to skip a step.
+
+    Shared by every optimizer wrapper that skips steps (`skip_nonfinite_updates`,
+    `jaxamp.loss_scaling`), as `dynamic_scale_tx` decides with the same two
+    functions: this device's check, then one decision for all devices.
+    """
+    return on_every_device(local_all_finite(grads), axis_name, what=what)
+
+
+def update_if_finite(
+    inner: optax.GradientTransformationExtraArgs,
+    finite: jax.Array,
+    grads: Any,
+    inner_state: Any,
+    params: Any = None,
+    **extra_args: Any,
+) -> tuple[Any, Any]:
+    """``inner.update``'s updates and state if `finite`, else zero updates and `inner_state` bit for bit.
+
+    Selected rather than branched (see `select_tree`): the same under `vmap`,
+    and the kept state is the very bits that came in.
+    """
+    params = None if params is None else array_part(params)
+    updates, new_state = inner.update(grads, inner_state, params, **extra_args)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, updates)
+    return select_tree(finite, updates, zeros), select_tree(finite, new_state, inner_state)
+
+
+def check_optimizer(optimizer: Any, what: str) -> optax.GradientTransformationExtraArgs:
+    """`optimizer` with extra-args support, or a TypeError naming `what`."""
+    if not all(callable(getattr(optimizer, name, None)) for name in ("init", "update")):
+        raise TypeError(
+            f"{what} expects an optax GradientTransformation (with init and update), "
+            f"got {type(optimizer).__name__}: {optimizer!r:.200}."
+        )
+    return optax.with_extra_args_support(optimizer)
 
 
 def skip_nonfinite_updates(
@@ -71,13 +117,8 @@ def skip_nonfinite_updates(
         TypeError: if `optimizer` has no ``init``/``update`` functions, or
             `axis_name` is not a name or a tuple of names.
     """
-    if not all(callable(getattr(optimizer, name, None)) for name in ("init", "update")):
-        raise TypeError(
-            "skip_nonfinite_updates expects an optax GradientTransformation, got "
-            f"{optimizer!r}."
-        )
+    inner = check_optimizer(optimizer, "skip_nonfinite_updates")
     axis_name = check_axis_name(axis_name, "skip_nonfinite_updates")
-    inner = optax.with_extra_args_support(optimizer)
 
     def init(params: Any) -> SkipNonFiniteState:
         # Separate buffers per field, so the state can be donated to a jit'd step.
@@ -86,15 +127,13 @@ def skip_nonfinite_updates(
         )
 
     def update(grads, state: SkipNonFiniteState, params=None, **extra_args):
-        finite = on_every_device(
-            local_all_finite(grads), axis_name, what="skip_nonfinite_updates"
+        finite = gradients_finite(grads, axis_name, what="skip_nonfinite_updates")
+        updates, inner_state = update_if_finite(
+            inner, finite, grads, state.inner_state, params, **extra_args
         )
-        params = None if params is None else array_part(params)
-        updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, updates)
         skipped = (~finite).astype(jnp.int32)
-        return select_tree(finite, updates, zeros), SkipNonFiniteState(
-            inner_state=select_tree(finite, inner_state, state.inner_state),
+        return updates, SkipNonFiniteState(
+            inner_state=inner_state,
             last_finite=finite,
             notfinite_count=(state.notfinite_count + 1) * skipped,
             total_notfinite=state.total_notfinite + skipped,

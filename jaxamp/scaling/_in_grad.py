@@ -1,0 +1,176 @@
+"""Loss scaling inside `jax.grad`: identities whose backward scales or unscales the cotangent.
+
+``amp(loss, loss_scale=...)`` puts `unscale_on_backward` on each floating input
+of the rewritten program and `scale_on_backward` on each floating output. The
+forward pass is untouched (the loss comes back unscaled); in the backward pass
+the loss's cotangent is multiplied by the scale before it enters the
+half-precision ops, and each input's cotangent is divided by it, in float32,
+before it leaves. So any transform that differentiates the amp'd function
+(`jax.grad`, `equinox.filter_grad`, `nnx.grad`, under `vmap`, `scan`, `pmap`
+or `shard_map`) gets true-scale gradients from a scaled backward pass:
+non-finite where that pass overflowed, which `loss_scaling`'s update skips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._dynamic_scaler import DynamicScalerState
+from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, select_tree
+from ._loss_scaling import LossScaleState, find_scaler_state
+
+__all__ = [
+    "as_loss_scale",
+    "keep_returned_state",
+    "loss_scale_hooks",
+    "scale_on_backward",
+    "unscale_on_backward",
+]
+
+
+def _wide(dtype: Any) -> Any:
+    # Scaling and unscaling run in float32 at least, so neither the product
+    # (before the cast back) nor the quotient over- or underflows on the way.
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+@jax.custom_vjp
+def scale_on_backward(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x`, whose cotangent is multiplied by `scale` (in float32, then cast to `x`'s dtype)."""
+    return x
+
+
+def _scale_fwd(x, scale):
+    return x, scale
+
+
+def _scale_bwd(scale, g):
+    wide = _wide(g.dtype)
+    return (g.astype(wide) * scale.astype(wide)).astype(g.dtype), jnp.zeros_like(scale)
+
+
+scale_on_backward.defvjp(_scale_fwd, _scale_bwd)
+
+
+@jax.custom_vjp
+def unscale_on_backward(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x`, whose cotangent is divided by `scale` (in float32, then cast to `x`'s dtype)."""
+    return x
+
+
+def _unscale_bwd(scale, g):
+    wide = _wide(g.dtype)
+    return (g.astype(wide) / scale.astype(wide)).astype(g.dtype), jnp.zeros_like(scale)
+
+
+unscale_on_backward.defvjp(_scale_fwd, _unscale_bwd)
+
+
+def wrap_floating(values: list, scale: jax.Array, wrap: Any) -> list:
+    """`wrap(value, scale)` on each floating array of `values`; the rest as they are."""
+    return [
+        wrap(v, scale) if is_inexact_leaf(v) and not isinstance(v, (float, complex)) else v
+        for v in values
+    ]
+
+
+def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
+    """What `amp` hands `AmpOptions.run` for ``loss_scale=`` (validated by `as_loss_scale`).
+
+    Returns:
+        ``wrap_inputs`` (unscale each floating input's cotangent),
+        ``wrap_outputs`` (scale each floating output's cotangent) and
+        ``keep_state``: a step whose forward pass is not finite will be
+        skipped, so the nnx module state it computed (batch statistics, RNG
+        counts) is not committed either; decided per device, by the values
+        that device computed.
+    """
+    scale = as_loss_scale(loss_scale)
+    return {
+        "wrap_inputs": lambda flat: wrap_floating(flat, scale, unscale_on_backward),
+        "wrap_outputs": lambda flat: wrap_floating(flat, scale, scale_on_backward),
+        "keep_state": lambda out, updates: local_all_finite((out, updates)),
+    }
+
+
+def as_loss_scale(loss_scale: Any) -> jax.Array:
+    """amp's ``loss_scale=`` argument as a float32 scalar array.
+
+    Accepted: an optimizer state holding one `LossScaleState` (see
+    `find_scaler_state`), a `LossScaleState` or `DynamicScalerState`, or the
+    scale itself (a Python number or a floating scalar array, finite and > 0
+    where it is concrete).
+
+    Raises:
+        TypeError: a bool, a non-number, or an integer or non-scalar array
+            that is not an optimizer state.
+        ValueError: a concrete scale that is not finite and > 0, or a state
+            tree without exactly one `LossScaleState`.
+    """
+    if isinstance(loss_scale, (LossScaleState, DynamicScalerState)):
+        return _scale_of(find_scaler_state(loss_scale))
+    if isinstance(loss_scale, (bool, np.bool_)):
+        raise TypeError(
+            f"amp's loss_scale must be an optimizer state from jaxamp.loss_scaling or a "
+            f"positive float scale, got the bool {loss_scale!r}."
+        )
+    if isinstance(loss_scale, (int, float)):
+        return checked_scalar("amp's loss_scale", loss_scale, jnp.float32, lower=0.0, inclusive=False)
+    if isinstance(loss_scale, (jax.Array, np.ndarray, np.generic)):
+        if not jnp.issubdtype(jnp.result_type(loss_scale), jnp.floating):
+            raise TypeError(
+                "amp's loss_scale must be a floating scalar (the loss scale) or an optimizer "
+                f"state from jaxamp.loss_scaling, got an array of dtype {jnp.result_type(loss_scale)}."
+            )
+        if jnp.ndim(loss_scale) != 0:
+            raise TypeError(
+                "amp's loss_scale must be a scalar (one scale for the whole loss) or an "
+                f"optimizer state from jaxamp.loss_scaling, got an array of shape {jnp.shape(loss_scale)}."
+            )
+        return checked_scalar("amp's loss_scale", loss_scale, jnp.float32, lower=0.0, inclusive=False)
+    return _scale_of(find_scaler_state(loss_scale, "amp's loss_scale"))
+
+
+def _scale_of(state: DynamicScalerState) -> jax.Array:
+    # `jnp.asarray` also reads an array held in a wrapper, as `nnx.Optimizer`
+    # holds its state's leaves (in `nnx.OptState` variables).
+    return jnp.asarray(state.scaler, jnp.float32)
+
+
+def _is_eqx_state(x: Any) -> bool:
+    return isinstance(x, eqx.nn.State)
+
+
+def keep_returned_state(inputs: Any, out: Any) -> Any:
+    """`out`, its `equinox.nn.State` the one among `inputs` where the forward pass was not finite.
+
+    A loss over a stateful Equinox model takes the state and returns its new
+    value (``return loss, state``): a NaN batch would make that NaN, and the
+    script would commit it although the step is skipped. The state is
+    recognised by its type, so it is kept automatically when `inputs` hold
+    exactly one `eqx.nn.State` and each one `out` holds has its structure;
+    otherwise `out` is returned as it is (the caller keeps it with
+    ``select_tree(opt_state.last_finite, new, old)``). Decided per device by
+    the forward values, as amp keeps flax nnx module state.
+    """
+    returned = [x for x in jax.tree_util.tree_leaves(out, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
+    if not returned:
+        return out
+    given = [x for x in jax.tree_util.tree_leaves(inputs, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
+    if len(given) != 1:
+        return out
+    (old,) = given
+    structure = jax.tree_util.tree_structure(old)
+    finite = local_all_finite(out)
+
+    def keep(x: Any) -> Any:
+        if _is_eqx_state(x) and jax.tree_util.tree_structure(x) == structure:
+            return select_tree(finite, x, old)
+        return x
+
+    return jax.tree_util.tree_map(keep, out, is_leaf=_is_eqx_state)

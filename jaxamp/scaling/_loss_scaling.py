@@ -1,0 +1,210 @@
+"""`loss_scaling`: dynamic loss scaling as an optax wrapper, its scale kept in the optimizer state.
+
+The explicit-state path (`dynamic_scale_value_and_grad`) makes a training script
+thread a second state, a `DynamicScalerState`, beside the optimizer's. Here the
+optimizer state holds it: ``jaxamp.loss_scaling(optax.adam(1e-3))`` is an optax
+transformation like any other (it goes into `optax.chain`, `optax.MultiSteps`,
+a flax ``TrainState``, an ``nnx.Optimizer``, an Orbax checkpoint), and
+``jaxamp.amp(loss, compute_dtype="f16", loss_scale=opt_state)`` reads the
+scale from that state inside `jax.grad` (see `find_scaler_state`).
+
+Both paths move the scale with `next_scaler_state` and decide finiteness with
+`gradients_finite`'s two functions: one implementation of the rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .._dtypes import array_part
+from ._dynamic_scaler import DynamicScalerState, next_scaler_state
+from ._finite import AxisName, check_axis_name
+from ._optax import check_optimizer, gradients_finite, update_if_finite
+
+__all__ = ["LossScaleState", "find_scaler_state", "loss_scaling"]
+
+
+class LossScaleState(NamedTuple):
+    """The state of `loss_scaling`: the wrapped optimizer's state and the loss scale.
+
+    Attributes:
+        inner_state: the wrapped optimizer's state, exactly as after the last
+            finite step.
+        scaler_state: the loss scale and its schedule, a `DynamicScalerState`
+            (``scaler``: the scale; ``count``: finite steps since it last
+            changed; ``total_resets``: how many steps were skipped, each
+            non-finite; ``patience``, ``adjust_factor``, ``min_scaler``,
+            ``max_scaler``: the schedule), moved by the same rule as
+            `dynamic_scale_value_and_grad` moves it.
+        last_finite: whether the latest gradients were finite on every device
+            (bool scalar); false means that step's updates were zeros.
+    """
+
+    inner_state: Any
+    scaler_state: DynamicScalerState
+    last_finite: jax.Array
+
+    @property
+    def scale(self) -> jax.Array:
+        """The current loss scale (float32 scalar): ``scaler_state.scaler``."""
+        return self.scaler_state.scaler
+
+
+def loss_scaling(
+    optimizer: optax.GradientTransformation,
+    *,
+    scaler: Any = 2.0**15,
+    patience: Any = 2000,
+    adjust_factor: Any = 2.0,
+    min_scaler: Any = 1.0,
+    max_scaler: Any = 2.0**24,
+    axis_name: AxisName | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap `optimizer` with dynamic loss scaling; the scale lives in its state.
+
+    Pair it with ``jaxamp.amp(loss, compute_dtype="f16", loss_scale=opt_state)``,
+    which scales the half-precision backward pass by the state's scale and
+    hands back gradients in their true scale. Each update then:
+
+    * decides whether the gradients are finite, the same on every device
+      (`axis_name`, as `jaxamp.all_finite`);
+    * finite: returns the wrapped optimizer's updates and state;
+    * not finite: returns zero updates and the wrapped optimizer's state bit for
+      bit as it was (pair with `jaxamp.apply_if_finite_updates` and
+      ``opt_state.last_finite`` where the parameters' exact bits matter:
+      ``p + 0.0`` turns ``-0.0`` into ``+0.0``);
+    * moves the scale by `DynamicScalerState`'s rule: after ``patience``
+      finite steps in a row it is multiplied by ``adjust_factor`` (up to
+      ``max_scaler``, never to inf); a non-finite step divides it by
+      ``adjust_factor`` (down to ``min_scaler``, never to 0) and counts one
+      more skipped step in ``scaler_state.total_resets``.
+
+    The gradients it receives are true-scale (amp unscales them, or the
+    script does); the scale is only read from the state, by amp.
+
+    With gradient accumulation, wrap the accumulator:
+    ``loss_scaling(optax.MultiSteps(opt, k))``. A non-finite micro-batch is
+    then skipped and dropped (MultiSteps' accumulator and counter kept bit for
+    bit), and the real step comes after ``k`` finite ones; ``patience``
+    counts micro-batches. Not the other way round: optax's ``MultiSteps``
+    resets its accumulator by multiplying it by 0, which leaves a NaN a NaN,
+    so one non-finite micro-batch would poison every later step.
+
+    Args:
+        optimizer: any optax gradient transformation.
+        scaler: the initial loss scale (float, within the bounds).
+        patience: finite steps in a row before the scale grows (int >= 0).
+        adjust_factor: growth multiplier and shrink divisor (float >= 1).
+        min_scaler: the floor of the scale (float > 0).
+        max_scaler: the ceiling of the scale (finite float >= min_scaler).
+        axis_name: inside `jax.pmap` or a ``shard_map(check_vma=False)``, the
+            axes the gradients differ over (a name or a tuple of names), so
+            every device skips the same steps and keeps the same scale. Not
+            needed under `jax.jit` or in a ``shard_map`` with ``check_vma=True``
+            (see `jaxamp.all_finite`); without it inside `pmap` the update
+            raises a ValueError asking for it.
+
+    Returns:
+        A `GradientTransformationExtraArgs` whose state is a `LossScaleState`.
+
+    Raises:
+        TypeError: `optimizer` is not a gradient transformation, `axis_name` is
+            not a name or tuple of names, or a schedule value has the wrong kind.
+        ValueError: a schedule value out of range (as `DynamicScalerState`).
+    """
+    inner = check_optimizer(optimizer, "jaxamp.loss_scaling")
+    axis_name = check_axis_name(axis_name, "jaxamp.loss_scaling")
+    # Validated once here, by the class both paths share; the messages name
+    # its fields, which are these keywords.
+    initial = DynamicScalerState(
+        patience=patience,
+        adjust_factor=adjust_factor,
+        scaler=scaler,
+        min_scaler=min_scaler,
+        max_scaler=max_scaler,
+    )
+
+    # Kept as numpy values where concrete: `init` then makes its arrays in the
+    # context it runs in (inside a `shard_map` over an Explicit mesh, a jax
+    # array made out here would be a closed-over input, which JAX rejects),
+    # fresh per call, so the state can be donated to a jit'd step.
+    initial = jax.tree_util.tree_map(_as_numpy_if_concrete, initial)
+
+    def init(params: Any) -> LossScaleState:
+        return LossScaleState(
+            inner_state=inner.init(array_part(params)),
+            scaler_state=jax.tree_util.tree_map(jnp.array, initial),
+            last_finite=jnp.array(True),
+        )
+
+    def update(grads: Any, state: LossScaleState, params: Any = None, **extra_args: Any):
+        if not isinstance(state, LossScaleState):
+            raise TypeError(
+                "jaxamp.loss_scaling's update expects the LossScaleState its init made, "
+                f"got {type(state).__name__}."
+            )
+        finite = gradients_finite(grads, axis_name, what="jaxamp.loss_scaling")
+        updates, inner_state = update_if_finite(
+            inner, finite, grads, state.inner_state, params, **extra_args
+        )
+        return updates, LossScaleState(
+            inner_state=inner_state,
+            scaler_state=next_scaler_state(state.scaler_state, finite),
+            last_finite=finite,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _as_numpy_if_concrete(x: jax.Array) -> Any:
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return x  # traced (e.g. a hyperparameter of optax.inject_hyperparams)
+
+
+def _is_scale_state(x: Any) -> bool:
+    return isinstance(x, (LossScaleState, DynamicScalerState))
+
+
+def find_scaler_state(tree: Any, what: str = "loss_scale") -> DynamicScalerState:
+    """The one `DynamicScalerState` in `tree`: an optimizer state holding a `LossScaleState`.
+
+    The wrapper may sit anywhere in the optimizer state (inside `optax.chain`,
+    `optax.MultiSteps`, `optax.inject_hyperparams`, a flax ``TrainState``'s
+    ``opt_state``, an ``nnx.Optimizer``'s ``opt_state``...): it is found by
+    type, and must be there exactly once, since two scales would leave it
+    ambiguous which one the loss was scaled by.
+
+    Args:
+        tree: a pytree: an optimizer state, a `LossScaleState` or a
+            `DynamicScalerState`.
+        what: how error messages name `tree`.
+
+    Raises:
+        ValueError: no `LossScaleState` (nor `DynamicScalerState`) in `tree`, or
+            more than one.
+    """
+    found = [
+        leaf
+        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_scale_state)
+        if _is_scale_state(leaf)
+    ]
+    if len(found) != 1:
+        problem = "holds no" if not found else f"holds {len(found)} loss scales:"
+        raise ValueError(
+            f"{what} must be an optimizer state holding exactly one jaxamp.LossScaleState "
+            f"(the state of jaxamp.loss_scaling(optimizer)), a jaxamp.DynamicScalerState "
+            f"or a scale array; got a {type(tree).__name__} that {problem} "
+            + ("LossScaleState. Wrap the optimizer in jaxamp.loss_scaling."
+               if not found else
+               "wrap only one optimizer in jaxamp.loss_scaling, or pass the one scale "
+               "to use (e.g. opt_state.scale).")
+        )
+    (state,) = found
+    return state.scaler_state if isinstance(state, LossScaleState) else state

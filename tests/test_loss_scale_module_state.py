@@ -1,0 +1,190 @@
+"""A step skipped by loss scaling commits no module state, on the ``amp(loss_scale=...)`` path.
+
+flax nnx modules passed to the amp'd loss: amp keeps the state the loss
+changed (BatchNorm statistics, RNG counts) as it was when the forward pass is
+not finite, and so is an ``eqx.nn.State`` the loss takes and returns. Other
+state a loss returns (Linen ``batch_stats``) is kept by one line after the
+update: ``select_tree(opt_state.last_finite, new, old)``.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxamp
+
+D = 6
+
+
+def _batch(bad=False, shift=0.0):
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, D)) + shift
+    if bad:
+        x = x.at[3, 2].set(jnp.nan)
+    return x, jax.random.normal(jax.random.PRNGKey(2), (16, 1))
+
+
+class _Net(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(D, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.head = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.drop(jax.nn.relu(self.norm(self.linear(x)))))
+
+
+def _nnx_loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def _stats(model):
+    return [np.asarray(model.norm.mean[...]), np.asarray(model.norm.var[...])]
+
+
+def _rng_count(model):
+    return int(model.drop.rngs.count[...])
+
+
+def test_nnx_a_nan_batch_keeps_batchnorm_statistics_and_rng_counts_and_the_next_clean_step_moves_them():
+    model = _Net(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, jaxamp.loss_scaling(optax.adam(1e-2)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        loss = jaxamp.amp(_nnx_loss, compute_dtype="f16", loss_scale=optimizer.opt_state)
+        value, grads = nnx.value_and_grad(loss)(model, x, y)
+        optimizer.update(model, grads)
+        return value
+
+    step(model, optimizer, *_batch())
+    stats, count = _stats(model), _rng_count(model)
+    params = [np.asarray(p) for p in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))]
+    value = step(model, optimizer, *_batch(bad=True))
+    assert not np.isfinite(float(value))
+    assert not bool(optimizer.opt_state.last_finite[...])
+    for before, after in zip(stats, _stats(model)):
+        np.testing.assert_array_equal(after, before)
+        assert np.isfinite(after).all()
+    assert _rng_count(model) == count
+    for before, after in zip(params, jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(after), before)
+    step(model, optimizer, *_batch(shift=1.0))
+    assert bool(optimizer.opt_state.last_finite[...])
+    assert not np.array_equal(_stats(model)[0], stats[0]) and np.isfinite(_stats(model)[0]).all()
+    assert _rng_count(model) == count + 1
+
+
+def test_nnx_without_loss_scale_amp_commits_the_nan_statistics_as_nnx_does():
+    # What the keeping above protects against: the plain path writes them.
+    model = _Net(nnx.Rngs(0, dropout=1))
+    nnx.value_and_grad(jaxamp.amp(_nnx_loss, compute_dtype="f16"))(model, *_batch(bad=True))
+    assert not np.isfinite(_stats(model)[0]).all()
+
+
+def test_equinox_state_is_kept_by_select_tree_on_last_finite():
+    model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(D, axis_name="batch", mode="ema")
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    def loss_fn(model, state, x, y):
+        out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+        return jnp.mean((out[:, :1] - y) ** 2), state
+
+    @eqx.filter_jit
+    def step(model, state, opt_state, x, y):
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        (_, new_state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        model = eqx.apply_updates(model, updates)
+        state = jaxamp.select_tree(opt_state.last_finite, new_state, state)  # the one line
+        return model, state, opt_state
+
+    model, state, opt_state = step(model, state, opt_state, *_batch())
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+    model, state, opt_state = step(model, state, opt_state, *_batch(bad=True))
+    assert not bool(opt_state.last_finite)
+    for b, a in zip(before, jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+        assert np.isfinite(np.asarray(a)).all()
+    model, state, opt_state = step(model, state, opt_state, *_batch(shift=1.0))
+    assert any(not np.array_equal(np.asarray(a), b) for b, a in zip(before, jax.tree_util.tree_leaves(state)))
+
+
+def test_equinox_state_taken_and_returned_is_kept_automatically_on_a_nan_batch():
+    model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(D, axis_name="batch", mode="ema")
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+    def loss_fn(model, state, x, y):
+        out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+        return jnp.mean((out[:, :1] - y) ** 2), state
+
+    @eqx.filter_jit
+    def step(model, state, opt_state, x, y):  # the bf16 step with two lines changed
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        (_, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, opt_state
+
+    model, state, opt_state = step(model, state, opt_state, *_batch())
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+    model, state, opt_state = step(model, state, opt_state, *_batch(bad=True))
+    assert not bool(opt_state.last_finite)
+    for b, a in zip(before, jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    model, state, opt_state = step(model, state, opt_state, *_batch(shift=1.0))
+    assert bool(opt_state.last_finite)
+    after = [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+    assert any(not np.array_equal(a, b) for b, a in zip(before, after)) and all(np.isfinite(a).all() for a in after)
+
+
+def test_linen_batch_stats_returned_through_aux_are_kept_by_select_tree():
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x)))
+
+    net = Net()
+    variables = net.init(jax.random.PRNGKey(0), jnp.ones((4, D)))
+    optimizer = jaxamp.loss_scaling(optax.adam(1e-2))
+
+    def loss_fn(params, batch_stats, x, y):
+        out, updates = net.apply({"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"])
+        return jnp.mean((out - y) ** 2), updates["batch_stats"]
+
+    @jax.jit
+    def step(params, batch_stats, opt_state, x, y):
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        (_, new_stats), grads = jax.value_and_grad(loss, has_aux=True)(params, batch_stats, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        batch_stats = jaxamp.select_tree(opt_state.last_finite, new_stats, batch_stats)
+        return optax.apply_updates(params, updates), batch_stats, opt_state
+
+    params, stats = variables["params"], variables["batch_stats"]
+    opt_state = optimizer.init(params)
+    params, stats, opt_state = step(params, stats, opt_state, *_batch())
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(stats)]
+    params, stats, opt_state = step(params, stats, opt_state, *_batch(bad=True))
+    assert not bool(opt_state.last_finite)
+    for b, a in zip(before, jax.tree_util.tree_leaves(stats)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    params, stats, opt_state = step(params, stats, opt_state, *_batch(shift=1.0))
+    assert any(not np.array_equal(np.asarray(a), b) for b, a in zip(before, jax.tree_util.tree_leaves(stats)))
+
+
+def test_nnx_statistics_of_a_clean_step_are_those_amp_computes_without_loss_scale():
+    # The keep-or-commit select runs inside amp's program: the committed
+    # statistics must not be rounded through float16 on the way.
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, D)) * 3
+    scaled, plain = _Net(nnx.Rngs(0, dropout=1)), _Net(nnx.Rngs(0, dropout=1))
+    nnx.grad(jaxamp.amp(lambda m, x: jnp.mean(m(x) ** 2), compute_dtype="f16", loss_scale=4.0))(scaled, x)
+    nnx.grad(jaxamp.amp(lambda m, x: jnp.mean(m(x) ** 2), compute_dtype="f16"))(plain, x)
+    for a, b in zip(_stats(scaled), _stats(plain)):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, b)

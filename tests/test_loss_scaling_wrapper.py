@@ -1,0 +1,279 @@
+"""`jaxamp.loss_scaling`: the optax wrapper whose state holds the loss scale.
+
+Its scale moves exactly as `DynamicScalerState`'s does on the same sequence of
+finite and non-finite steps (one implementation), a skipped step leaves the
+inner optimizer state bit for bit, and the state composes with optax's
+combinators (chain, MultiSteps, inject_hyperparams) and Orbax.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxamp
+from jaxamp.scaling._loss_scaling import find_scaler_state
+
+
+def _bits(tree):
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(tree)]
+
+
+def _params():
+    return {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array(0.25)}
+
+
+def _grads(bad=False):
+    value = jnp.nan if bad else 0.5
+    return {"w": jnp.array([0.5, 1.0, -1.0]), "b": jnp.array(value)}
+
+
+def _scaler_fields(state):
+    return [np.asarray(x).tobytes() for x in (state.scaler, state.count, state.total_resets)]
+
+
+# --- the same transitions as DynamicScalerState --------------------------------
+
+
+@functools.cache
+def _steppers(patience, adjust_factor, min_scaler, max_scaler):
+    wrapper = jaxamp.loss_scaling(
+        optax.sgd(0.1), scaler=8.0, patience=patience, adjust_factor=adjust_factor,
+        min_scaler=min_scaler, max_scaler=max_scaler,
+    )
+
+    @jax.jit
+    def wrapper_step(state, bad):
+        grads = {"w": jnp.where(bad, jnp.nan, jnp.ones(3))}
+        return wrapper.update(grads, state, {"w": jnp.ones(3)})[1]
+
+    # The explicit-state path, with a loss whose gradient is non-finite when `bad`.
+    grad = jaxamp.dynamic_scale_grad(lambda p, bad: jnp.sum(p["w"] * jnp.where(bad, jnp.nan, 1.0)))
+
+    @jax.jit
+    def scaler_step(state, bad):
+        return grad({"w": jnp.ones(3)}, bad, dynamic_scaler_state=state)[0]
+
+    return wrapper, wrapper_step, scaler_step
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    steps=st.lists(st.booleans(), min_size=1, max_size=24),
+    patience=st.integers(0, 3),
+    adjust_factor=st.sampled_from([1.0, 2.0, 3.0]),
+    bounds=st.sampled_from([(1.0, 2.0**24), (2.0, 16.0), (8.0, 8.0), (0.5, 100.0)]),
+)
+def test_the_wrapper_moves_the_scale_as_dynamic_scaler_state_does(steps, patience, adjust_factor, bounds):
+    wrapper, wrapper_step, scaler_step = _steppers(patience, adjust_factor, *bounds)
+    state = wrapper.init({"w": jnp.ones(3)})
+    scaler = jaxamp.DynamicScalerState(
+        scaler=8.0, patience=patience, adjust_factor=adjust_factor, min_scaler=bounds[0], max_scaler=bounds[1]
+    )
+    assert _bits(state.scaler_state) == _bits(scaler)
+    for bad in steps:
+        state, scaler = wrapper_step(state, bad), scaler_step(scaler, bad)
+        assert _scaler_fields(state.scaler_state) == _scaler_fields(scaler)
+        assert bool(state.last_finite) is (not bad)
+        assert bounds[0] <= float(state.scale) <= bounds[1]
+
+
+def test_a_non_finite_step_is_skipped_the_inner_state_kept_bit_for_bit_and_the_scale_halved():
+    optimizer = jaxamp.loss_scaling(optax.adam(0.1), scaler=2.0**10)
+    params = _params()
+    state = optimizer.init(params)
+    _, state = optimizer.update(_grads(), state, params)
+    before = _bits(state.inner_state)
+    updates, state = optimizer.update(_grads(bad=True), state, params)
+    assert _bits(state.inner_state) == before
+    assert all(not np.any(np.asarray(leaf)) for leaf in jax.tree_util.tree_leaves(updates))
+    assert not bool(state.last_finite)
+    assert float(state.scale) == 2.0**9 and state.scale.dtype == jnp.float32
+    assert int(state.scaler_state.total_resets) == 1 and int(state.scaler_state.count) == 0
+
+
+def test_finite_steps_give_the_inner_optimizers_updates_bit_for_bit():
+    plain, wrapped = optax.adam(0.1), jaxamp.loss_scaling(optax.adam(0.1))
+    params = _params()
+    plain_state, state = plain.init(params), wrapped.init(params)
+    for _ in range(3):
+        expected, plain_state = plain.update(_grads(), plain_state, params)
+        updates, state = wrapped.update(_grads(), state, params)
+        assert _bits(updates) == _bits(expected)
+    assert _bits(state.inner_state) == _bits(plain_state)
+    assert int(state.scaler_state.count) == 3
+
+
+def test_the_scale_stays_within_its_bounds_never_zero_nor_inf():
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=4.0, min_scaler=1.0, patience=0, max_scaler=2.0**127)
+    params = _params()
+    state = optimizer.init(params)
+    step = jax.jit(lambda s, bad: optimizer.update(_grads(bad), s, params)[1], static_argnums=1)
+    for _ in range(200):
+        state = step(state, True)
+    assert float(state.scale) == 1.0
+    for _ in range(200):
+        state = step(state, False)
+    assert float(state.scale) == 2.0**127 and np.isfinite(float(state.scale))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"scaler": 0.0}, ValueError, "scaler must be finite and > 0"),
+        ({"scaler": 4.0, "min_scaler": 8.0}, ValueError, "scaler must be >= min_scaler"),
+        ({"patience": 1.5}, TypeError, "patience must be an int"),
+        ({"adjust_factor": 0.5}, ValueError, "adjust_factor must be finite and >= 1"),
+        ({"scaler": True}, TypeError, "scaler must be a float or int scalar"),
+        ({"axis_name": ["batch"]}, TypeError, "axis_name must be a mesh or pmap axis name"),
+    ],
+)
+def test_bad_settings_are_errors_naming_them(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jaxamp.loss_scaling(optax.sgd(0.1), **kwargs)
+
+
+def test_a_non_optimizer_is_a_type_error():
+    with pytest.raises(TypeError, match="jaxamp.loss_scaling expects an optax GradientTransformation"):
+        jaxamp.loss_scaling(lambda g: g)
+
+
+def test_update_with_another_state_is_a_type_error_naming_it():
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+    with pytest.raises(TypeError, match="expects the LossScaleState its init made, got tuple"):
+        optimizer.update(_grads(), optax.adam(0.1).init(_params()), _params())
+
+
+# --- composition ------------------------------------------------------------------
+
+
+def test_inside_a_chain_the_clip_before_it_sees_the_nan_and_the_step_is_skipped():
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.loss_scaling(optax.adam(0.1)))
+    params = _params()
+    state = optimizer.init(params)
+    updates, state = optimizer.update(_grads(bad=True), state, params)
+    assert all(not np.any(np.asarray(leaf)) for leaf in jax.tree_util.tree_leaves(updates))
+    assert float(find_scaler_state(state).scaler) == 2.0**14
+
+
+def test_around_multisteps_a_bad_micro_batch_is_skipped_once_and_dropped():
+    # Outside MultiSteps: a non-finite micro-batch is one skip (one halving),
+    # and MultiSteps' state (its accumulator, its micro-step counter) is kept
+    # bit for bit, so the bad batch is dropped and the real step comes after
+    # `every` finite micro-batches, their mean.
+    every = 3
+    optimizer = jaxamp.loss_scaling(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=every), scaler=2.0**10)
+    params = _params()
+    state = optimizer.init(params)
+    step = jax.jit(lambda s, g: optimizer.update(g, s, params))
+    grads = [_grads(), _grads(bad=True), _grads(), _grads()]
+    grads[2] = jax.tree_util.tree_map(lambda g: 3 * g, grads[2])
+    _, state = step(state, grads[0])
+    before = _bits(state.inner_state)
+    updates, state = step(state, grads[1])
+    assert _bits(state.inner_state) == before
+    assert not np.any(np.asarray(updates["w"]))
+    assert (float(state.scale), int(state.scaler_state.total_resets)) == (2.0**9, 1)
+    _, state = step(state, grads[2])
+    updates, state = step(state, grads[3])
+    # The real step: minus the mean of the three finite micro-batches (sgd, lr 1).
+    expected = -(0.5 + 1.5 + 0.5) / 3
+    np.testing.assert_allclose(np.asarray(updates["b"]), expected, rtol=1e-6)
+    assert int(state.inner_state.gradient_step) == 1
+
+
+def test_inside_multisteps_one_decision_per_real_step_on_finite_steps():
+    # Inside MultiSteps the wrapper's state only moves when a real step is
+    # taken (MultiSteps keeps the inner state between them).
+    optimizer = optax.MultiSteps(jaxamp.loss_scaling(optax.sgd(0.1), patience=0, scaler=4.0), every_k_schedule=3)
+    params = _params()
+    state = optimizer.init(params)
+    step = jax.jit(lambda s: optimizer.update(_grads(), s, params)[1])
+    scales = []
+    for _ in range(6):
+        state = step(state)
+        scales.append(float(find_scaler_state(state).scaler))
+    assert scales == [4.0, 4.0, 8.0, 8.0, 8.0, 16.0]
+
+
+def test_inject_hyperparams_inside_and_outside():
+    params = _params()
+    inner = jaxamp.loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
+    outer = optax.inject_hyperparams(lambda learning_rate: jaxamp.loss_scaling(optax.adam(learning_rate)))(
+        learning_rate=0.1
+    )
+    for optimizer in (inner, outer):
+        state = optimizer.init(params)
+        _, state = jax.jit(optimizer.update)(_grads(bad=True), state, params)
+        assert float(find_scaler_state(state).scaler) == 2.0**14
+        updates, state = jax.jit(optimizer.update)(_grads(), state, params)
+        np.testing.assert_allclose(np.asarray(updates["b"]), -0.1, rtol=1e-5)  # adam's first step
+
+
+def test_an_orbax_round_trip_restores_the_state_and_its_behaviour(tmp_path):
+    optimizer = jaxamp.loss_scaling(optax.adam(0.1), scaler=2.0**12, patience=1)
+    params = _params()
+    state = optimizer.init(params)
+    for bad in (False, True, False):
+        _, state = optimizer.update(_grads(bad), state, params)
+    path = tmp_path / "checkpoint"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, state)
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(path, optimizer.init(params))
+    assert isinstance(restored, jaxamp.LossScaleState)
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(state)
+    assert _bits(restored) == _bits(state)
+    expected = optimizer.update(_grads(), state, params)
+    got = optimizer.update(_grads(), restored, params)
+    assert _bits(got) == _bits(expected)
+    assert float(got[1].scale) == 2.0**12  # patience 1: the second clean step in a row grows it
+
+
+# --- finding the scale in an optimizer state ---------------------------------------
+
+
+def test_find_scaler_state_errors_name_what_is_wrong():
+    with pytest.raises(ValueError, match="holds no LossScaleState. Wrap the optimizer in jaxamp.loss_scaling"):
+        find_scaler_state(optax.adam(0.1).init(_params()))
+    two = optax.chain(jaxamp.loss_scaling(optax.sgd(0.1)), jaxamp.loss_scaling(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match="holds 2 loss scales"):
+        find_scaler_state(two.init(_params()))
+
+
+# --- every device takes the same decision -------------------------------------------
+
+N = 4
+
+
+def test_under_pmap_a_nan_on_one_replica_skips_the_step_on_every_replica():
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1), axis_name="batch")
+    params = _params()
+    state = optimizer.init(params)
+    replicate = lambda tree: jax.tree_util.tree_map(lambda x: jnp.stack([x] * N), tree)
+    grads = replicate(_grads())
+    grads["b"] = grads["b"].at[2].set(jnp.nan)  # replica 2 alone overflowed
+
+    @functools.partial(jax.pmap, axis_name="batch")
+    def step(grads, state, params):
+        return optimizer.update(grads, state, params)
+
+    updates, new = step(grads, replicate(state), replicate(params))
+    np.testing.assert_array_equal(np.asarray(new.scale), [2.0**14] * N)
+    np.testing.assert_array_equal(np.asarray(new.last_finite), [False] * N)
+    assert not np.any(np.asarray(updates["w"]))
+
+
+def test_under_pmap_without_axis_name_the_update_asks_for_it():
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+    params = _params()
+    replicate = lambda tree: jax.tree_util.tree_map(lambda x: jnp.stack([x] * N), tree)
+    step = jax.pmap(lambda g, s, p: optimizer.update(g, s, p), axis_name="batch")
+    with pytest.raises(ValueError, match=r"jaxamp.loss_scaling runs per device.*Pass axis_name='batch'"):
+        step(replicate(_grads()), replicate(optimizer.init(params)), replicate(params))
