@@ -3,8 +3,9 @@
 The top level holds what a first training step needs: `amp` and its policy
 table (`default_amp_policy`, the ``use_*`` rules, `amp_stop`), the loss
 scalers for float16 (`loss_scaling`, the optax wrapper whose state holds the
-scale; jaxamp's `DynamicScalerState`, jmp's loss scales, PyTorch's `GradScaler`), jmp's `Policy` helpers, and the three diagnostics
-`explain`, `find_nonfinite` and `compare`. Feature families live in their
+scale; jaxamp's `DynamicScalerState`, jmp's loss scales, PyTorch's
+`GradScaler`), jmp's `Policy` helpers, and the three diagnostics `explain`,
+`find_nonfinite` and `compare`. Feature families live in their
 namespaces, each with its guide under docs/:
 
 - `jaxamp.fp8`: float8 recipes and the delayed recipe's state;

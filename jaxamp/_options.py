@@ -215,6 +215,7 @@ def _resolve_dtypes(
     with float8 matmuls: a `policy` beside it must compute in bfloat16.
     """
     fp8 = None if compute_dtype is UNSET else as_recipe(compute_dtype)
+    compute: np.dtype | None  # None: the policy's
     if fp8 is not None:
         compute = np.dtype(jnp.bfloat16)
     elif compute_dtype is UNSET:
@@ -222,6 +223,7 @@ def _resolve_dtypes(
     else:
         compute = _canonical_or_fp8_hint(compute_dtype)
     if policy is None:
+        assert compute is not None  # only a policy leaves it to be read from the policy
         return compute, None, fp8
     from .policies._policy import get_policy
 

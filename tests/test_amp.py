@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import _compat
 from jaxamp import (
+    _compat,
     amp,
     amp_stop,
     default_amp_policy,
@@ -19,6 +19,7 @@ from jaxamp import (
     use_precision,
     use_widest_precision,
 )
+
 from jaxpr_walk import assert_all_matmuls_in, iter_eqns, matmul_operand_dtypes
 
 KEY = jax.random.PRNGKey(0)

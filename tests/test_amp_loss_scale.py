@@ -285,7 +285,8 @@ def test_under_pmap_an_overflow_on_one_replica_leaves_every_replica_with_the_sam
     params = _params()
     x, y = _batch(n=4 * N)
     x = x.at[4 * 2].multiply(300.0)  # replica 2's batch overflows the scaled float16 backward
-    replicate = lambda tree: jax.tree_util.tree_map(lambda v: jnp.stack([v] * N), tree)
+    def replicate(tree):
+        return jax.tree_util.tree_map(lambda v: jnp.stack([v] * N), tree)
 
     @functools.partial(jax.pmap, axis_name="batch")
     def step(params, opt_state, x, y):

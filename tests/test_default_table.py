@@ -18,11 +18,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import io_callback
 from jax.experimental import pallas as pl
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp import _compat
 from jaxamp.transform import _interpreter, _rules
+
 from jax_catalogue import lax_primitives_by_name
 from jaxpr_walk import assert_all_matmuls_in, float_operand_dtypes, iter_eqns
 

@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_walk import assert_all_matmuls_in
 
 import jaxamp
 from jaxamp._options import AmpOptions
+
+from jaxpr_walk import assert_all_matmuls_in
 
 
 def _mlp(params, x, scale=1.0):

@@ -23,6 +23,7 @@ import pytest
 nn = pytest.importorskip("flax.linen")
 
 import jaxamp  # noqa: E402
+
 from jaxpr_walk import assert_all_matmuls_in, iter_eqns  # noqa: E402
 
 RTOL = 3e-2

@@ -26,6 +26,7 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 
 import jaxamp  # noqa: E402
+
 from jaxpr_walk import assert_all_matmuls_in  # noqa: E402
 
 RTOL = 3e-2

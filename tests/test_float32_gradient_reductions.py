@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
+
 from jaxpr_walk import MATMUL_PRIMITIVES, iter_eqns
 
 D, H, BATCH = 32, 64, 64

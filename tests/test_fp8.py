@@ -21,6 +21,7 @@ from jax import lax
 import jaxamp
 from jaxamp import Fp8Recipe, amp
 from jaxamp.fp8._matmul import quantize
+
 from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 from small_models import SmallCNN, cross_entropy
 

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jaxpr_walk import matmul_operand_dtypes
 
 import jaxamp
 from jaxamp.fp8._quantize import quantize_blocks
 from jaxamp.fp8._schemes import blocked_dot
+
+from jaxpr_walk import matmul_operand_dtypes
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jaxpr_walk import matmul_operand_dtypes
 
 import jaxamp
 from jaxamp import Fp8Recipe
+
+from jaxpr_walk import matmul_operand_dtypes
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 BF16 = np.dtype(jnp.bfloat16)

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxpr_walk import matmul_operand_dtypes
 from test_fp8_sharding import _conv_net, _conv_problem
 
 import jaxamp
+
+from jaxpr_walk import matmul_operand_dtypes
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 LENGTH = 4

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 
 import jaxamp
 from jaxamp import Fp8Recipe, _compat
 from jaxamp.fp8._matmul import quantize
+
+from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 
 KEYS = jax.random.split(jax.random.key(0), 8)
 

@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_walk import matmul_operand_dtypes
 
 import jaxamp
 from jaxamp import _compat
+
+from jaxpr_walk import matmul_operand_dtypes
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 RECIPES = {

@@ -1,16 +1,17 @@
 """amp inside higher-order primitives: bodies rewritten, parameters kept, types stable."""
 
-from functools import partial
-
 import warnings
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxamp import _compat, amp, default_amp_policy
+
 from jaxpr_walk import assert_all_matmuls_in, iter_eqns, scan_num_consts
 
 KEY = jax.random.PRNGKey(0)
@@ -220,8 +221,8 @@ def test_shard_map_body_in_compute_dtype_with_collectives_untouched(make_mesh):
 
 
 def test_closed_call_body_is_rewritten():
-    from jax.extend.core.primitives import closed_call_p
     from jax.extend.core import ClosedJaxpr
+    from jax.extend.core.primitives import closed_call_p
 
     inner = jax.make_jaxpr(lambda w, x: x @ w)(W, X)
 

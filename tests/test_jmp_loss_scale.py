@@ -19,12 +19,12 @@ Ported verbatim; only the import of the module under test changed.
 
 import warnings
 
-from absl.testing import absltest
-from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
-import jaxamp as jmp
 import numpy as np
+from absl.testing import absltest, parameterized
+
+import jaxamp as jmp
 
 
 class LossScaleTest(parameterized.TestCase):

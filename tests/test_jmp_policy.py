@@ -17,12 +17,12 @@
 import itertools as it
 import unittest
 
-from absl.testing import absltest
-from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
-from jaxamp.policies import _policy as jmp  # jmp 0.0.4 policy_test.py, only this import changed
 import numpy as np
+from absl.testing import absltest, parameterized
+
+from jaxamp.policies import _policy as jmp  # jmp 0.0.4 policy_test.py, only this import changed
 
 HALF_DTYPES = (np.float16, jnp.float16, jnp.bfloat16)
 FULL_DTYPES = (np.float32, jnp.float32)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxamp import amp
+
 from jaxpr_walk import assert_all_matmuls_in
 from small_models import SmallCNN, cross_entropy
 

@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_walk import iter_eqns
 
 import jaxamp
 from jaxamp import _compat
 from jaxamp._options import AmpOptions
+
+from jaxpr_walk import iter_eqns
 
 WIDTH, ROWS = 256, 64
 

@@ -11,7 +11,6 @@ the tail covers it) and over the model zoo.
 import collections
 
 import equinox as eqx
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,9 +22,9 @@ from jax import lax
 from test_model_zoo import MODELS
 
 import jaxamp
-from jax_catalogue import lax_op_catalogue
-
 from jaxamp import _compat, default_amp_policy
+
+from jax_catalogue import lax_op_catalogue
 
 F32 = np.dtype(jnp.float32)
 CATALOGUE = [op for op in lax_op_catalogue() if F32 in op.dtypes]

@@ -52,6 +52,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
 from jaxamp.transform import _interpreter
+
 from jax_catalogue import lax_op_catalogue
 from jaxpr_walk import assert_all_matmuls_in, float_operand_dtypes, iter_eqns
 

@@ -33,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
 from jax import lax
+from test_primitive_sweep import UNIT_ROUNDOFF, assert_matches
 
 import jaxamp
+
 from jaxpr_walk import assert_all_matmuls_in
-from test_primitive_sweep import UNIT_ROUNDOFF, assert_matches
 
 F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
 COMPUTE_DTYPES = st.sampled_from([F16, BF16])

@@ -8,10 +8,11 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jaxpr_walk import float_operand_dtypes
 
 import jaxamp
 from jaxamp import default_amp_policy, use_full_range_precision, use_original_precision
+
+from jaxpr_walk import float_operand_dtypes
 
 KEY_A, KEY_B = jax.random.split(jax.random.key(0))
 Q = jax.random.normal(KEY_A, (6, 16))

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_walk import float_operand_dtypes
 
 import jaxamp
 from jaxamp import (
@@ -13,6 +12,8 @@ from jaxamp import (
     use_normalisation_precision,
     use_original_precision,
 )
+
+from jaxpr_walk import float_operand_dtypes
 
 KEY_W, KEY_X = jax.random.split(jax.random.key(0))
 W = jax.random.normal(KEY_W, (16, 32)) / 4

@@ -15,6 +15,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+
 from jaxpr_walk import iter_eqns
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32

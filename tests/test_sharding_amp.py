@@ -5,11 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp.sharding import create_mesh, make_shard_and_gather_fns, match_partition_rules, tree_apply
-from jaxamp.sharding import with_sharding_constraint
+from jaxamp.sharding import (
+    create_mesh,
+    make_shard_and_gather_fns,
+    match_partition_rules,
+    tree_apply,
+    with_sharding_constraint,
+)
+
 from jaxpr_walk import assert_all_matmuls_in, iter_eqns
 
 RULES = ((r"w$", P("fsdp", None)), (r".*", P()))

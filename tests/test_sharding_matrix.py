@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
 
@@ -254,8 +255,7 @@ def test_eager_amp_explain_and_find_nonfinite_under_a_mesh(mode, layout):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
 def test_sharding_helpers_place_gather_and_constrain_on_both_modes(mode, layout):
-    from jaxamp.sharding import make_shard_and_gather_fns, match_partition_rules, tree_apply
-    from jaxamp.sharding import with_sharding_constraint
+    from jaxamp.sharding import make_shard_and_gather_fns, match_partition_rules, tree_apply, with_sharding_constraint
 
     params, x, y = _problem()
     mesh = _mesh(mode)

@@ -18,6 +18,7 @@ import pytest
 
 import jaxamp
 from jaxamp import amp, default_amp_policy, use_current_precision
+
 from jaxpr_walk import iter_eqns
 
 linen = pytest.importorskip("flax.linen")

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import jaxamp
+
 from jaxpr_walk import iter_eqns
 
 K1, K2, K3 = jax.random.split(jax.random.PRNGKey(0), 3)

@@ -154,7 +154,7 @@ def _plan(
     # Values broadcast from fewer elements: per-feature parameters, not activations.
     per_feature: set[Any] = set()
     statistics: set[int] = set()
-    call_inputs: dict[int, tuple[tuple[int, ...], tuple[bool, ...]]] = {}
+    call_inputs: dict[int, tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ...]]] = {}
     # Variables some equation (or the caller) sums.
     summed: set[Any] = {
         v for v, s in zip(jaxpr.outvars, summed_outputs) if s and not isinstance(v, _compat.Literal)

@@ -288,10 +288,10 @@ def _scope_errors(amp_events: list, float32_events: list, float32_out: Any) -> t
             else:
                 values[group].pop(v, None)
     errors = []
-    for group, produced in values.items():
+    for group, by_variable in values.items():
         # What the group hands on; failing that, what nothing reads.
-        handed_on = [x for v, x in produced.items() if v in leaves] or [
-            x for v, x in produced.items() if v not in read
+        handed_on = [x for v, x in by_variable.items() if v in leaves] or [
+            x for v, x in by_variable.items() if v not in read
         ]
         if not handed_on:
             continue

@@ -267,8 +267,8 @@ class AmpReport:
             key = (scope, row.primitive, row.decided_by, row.dtypes_before, row.dtypes_after,
                    row.output_dtypes, row.detail, row.source or "")
             groups[key].append(row)
-        header = ("scope", "primitive", "count", "decided by", "before", "after", "out", "casts",
-                  "FLOPs", "source")
+        header: tuple[str, ...] = ("scope", "primitive", "count", "decided by", "before", "after", "out",
+                                   "casts", "FLOPs", "source")
         notes = any(row.detail for row in self.rows)
         if notes:
             header += ("notes",)

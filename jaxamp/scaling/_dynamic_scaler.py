@@ -53,7 +53,8 @@ class _Fields(NamedTuple):
     patience: jax.Array
     adjust_factor: jax.Array
     scaler: jax.Array
-    count: jax.Array
+    # The seed's field name; it shadows tuple.count, which nothing here calls.
+    count: jax.Array  # type: ignore[assignment]
     total_resets: jax.Array
     min_scaler: jax.Array
     max_scaler: jax.Array
@@ -124,7 +125,7 @@ class DynamicScalerState(_Fields):
         total_resets: Any = 0,
         min_scaler: Any = 1.0,
         max_scaler: Any = 2.0**24,
-    ) -> "DynamicScalerState":
+    ) -> DynamicScalerState:
         values = (patience, adjust_factor, scaler, count, total_resets, min_scaler, max_scaler)
         state = tuple.__new__(
             cls, tuple(_check_field(name, value) for name, value in zip(cls._fields, values))
@@ -216,7 +217,7 @@ def default_scale_fn(output: Any, state: DynamicScalerState) -> Any:
 def default_unscale_fn(results: Any, state: DynamicScalerState) -> Any:
     """Divide every inexact leaf of `results` by the scale.
 
-    Gradients of a `jaxamp.Fp8State` (the observed amaxes, not derivatives)
+    Gradients of a `jaxamp.fp8.Fp8State` (the observed amaxes, not derivatives)
     are left as they are. The division promotes float16/bfloat16 leaves to the scaler's dtype (float32),
     so unscaled gradients do not underflow; float64 leaves stay float64. Integer,
     boolean and non-array leaves (e.g. equinox's ``None`` gradients) are returned

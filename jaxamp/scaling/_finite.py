@@ -17,7 +17,7 @@ reduced over the mesh axes the values differ over, with one scalar collective.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ __all__ = [
 T = TypeVar("T")
 
 # A mesh or pmap axis name, or a tuple of them, as `jax.lax.psum` takes.
-AxisName = Union[Hashable, tuple[Hashable, ...]]
+AxisName = Hashable | tuple[Hashable, ...]
 
 
 def is_inexact_leaf(x: Any) -> bool:
@@ -60,7 +60,7 @@ def is_inexact_leaf(x: Any) -> bool:
 NOT_LOSS_SCALED = "__jaxamp_not_loss_scaled__"
 """A class attribute: a gradient of an object of this class is not scaled by the loss scale.
 
-Set on `jaxamp.Fp8State`, whose "gradient" is the step's observed amaxes, not
+Set on `jaxamp.fp8.Fp8State`, whose "gradient" is the step's observed amaxes, not
 a derivative of the loss: unscaling it would divide the forward amaxes by the
 loss scale. `map_gradients` leaves such objects as they are.
 """
@@ -247,7 +247,7 @@ def _select_leaf(pred: jax.Array, x: Any, y: Any) -> Any:
     if isinstance(x, (bool, int, float, complex)) and type(x) is type(y) and x == y:
         return x  # a Python number in a module's fields stays a Python number
     if isinstance(x, _NUMERIC) and isinstance(y, _NUMERIC):
-        return jax.lax.select(pred, x, y)
+        return jax.lax.select(pred, jnp.asarray(x), jnp.asarray(y))
     # Equinox modules keep functions, strings and other objects as leaves: they
     # are part of the model, not of its state, and pass through when the same.
     if x is y or (not isinstance(x, _NUMERIC) and not isinstance(y, _NUMERIC) and _same(x, y)):

@@ -111,7 +111,7 @@ def _check_bounds(min_scale: Any, max_scale: Any) -> tuple[float, float]:
 
 
 def _check_scale_in_bounds(
-    name: str, scale: jax.Array, min_scale: float, max_scale: float
+    name: str, scale: jax.Array, min_scale: float | jax.Array, max_scale: float | jax.Array
 ) -> None:
     check_scale_bounds(
         "GradScaler", (name, scale), ("min_scale", min_scale), ("max_scale", max_scale)
@@ -192,7 +192,7 @@ class GradScaler(eqx.Module):
         self._axis_name = check_axis_name(axis_name, "GradScaler")
         _check_scale_in_bounds("init_scale", self._scale, self._min_scale, self._max_scale)
 
-    def _replace(self, **changes: Any) -> "GradScaler":
+    def _replace(self, **changes: Any) -> GradScaler:
         # Static fields can't be swapped with `eqx.tree_at`, and `__init__` takes
         # user-facing arguments, so build the new instance field by field, as
         # equinox itself does when unflattening.
@@ -225,7 +225,7 @@ class GradScaler(eqx.Module):
 
         return jax.tree_util.tree_map(scale_leaf, tree)
 
-    def unscale(self, grads: T) -> tuple[T, "GradScaler"]:
+    def unscale(self, grads: T) -> tuple[T, GradScaler]:
         """Divide gradients by the scale and record whether any was inf or NaN.
 
         Call it before working on the gradients (e.g. clipping); `step` then uses
@@ -266,7 +266,7 @@ class GradScaler(eqx.Module):
         opt_state: Any,
         params: Any,
         **extra_args: Any,
-    ) -> tuple[Any, Any, "GradScaler"]:
+    ) -> tuple[Any, Any, GradScaler]:
         """Unscale `grads` (unless `unscale` was called) and apply one optimizer step.
 
         If any gradient is inf or NaN the step is skipped: `params` and `opt_state`
@@ -304,7 +304,7 @@ class GradScaler(eqx.Module):
             scaler._replace(_stage=_STEPPED),
         )
 
-    def update(self, new_scale: Any = None) -> "GradScaler":
+    def update(self, new_scale: Any = None) -> GradScaler:
         """The scaler for the next iteration.
 
         Without `new_scale`: after a step with inf/NaN gradients the scale is
@@ -380,15 +380,15 @@ class GradScaler(eqx.Module):
         """The growth interval, a Python int; not under `jit`."""
         return int(self._growth_interval)
 
-    def set_growth_factor(self, new_factor: float) -> "GradScaler":
+    def set_growth_factor(self, new_factor: float) -> GradScaler:
         """A copy with another growth factor (> 1)."""
         return self._replace(_growth_factor=_setting(_check_growth_factor(new_factor)))
 
-    def set_backoff_factor(self, new_factor: float) -> "GradScaler":
+    def set_backoff_factor(self, new_factor: float) -> GradScaler:
         """A copy with another backoff factor (in (0, 1))."""
         return self._replace(_backoff_factor=_setting(_check_backoff_factor(new_factor)))
 
-    def set_growth_interval(self, new_interval: int) -> "GradScaler":
+    def set_growth_interval(self, new_interval: int) -> GradScaler:
         """A copy with another growth interval (a positive int)."""
         return self._replace(_growth_interval=_setting(_check_growth_interval(new_interval)))
 
@@ -412,7 +412,7 @@ class GradScaler(eqx.Module):
             "max_scale": float(self._max_scale),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> "GradScaler":
+    def load_state_dict(self, state_dict: dict[str, Any]) -> GradScaler:
         """A scaler with the state from `state_dict` (returns `self` when disabled).
 
         A torch state dict has no ``"min_scale"``/``"max_scale"``; this scaler's

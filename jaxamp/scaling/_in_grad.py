@@ -169,7 +169,8 @@ def keep_returned_state(inputs: Any, out: Any) -> Any:
     finite = local_all_finite(out)
 
     def keep(x: Any) -> Any:
-        if _is_eqx_state(x) and jax.tree_util.tree_structure(x) == structure:
+        # (jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__.)
+        if _is_eqx_state(x) and jax.tree_util.tree_structure(x) == structure:  # type: ignore[operator]
             return select_tree(finite, x, old)
         return x
 

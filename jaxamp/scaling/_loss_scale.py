@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ def warn_if_not_floating(x: Any, var_name: str) -> None:
         return
     dtype = jax.eval_shape(lambda: x).dtype
     if not jnp.issubdtype(dtype, jnp.floating):
-        warnings.warn(f"Expected floating type for {var_name}, got {dtype}")
+        warnings.warn(f"Expected floating type for {var_name}, got {dtype}", stacklevel=2)
 
 
 def _scale_leaves(tree: T, factor: Any) -> T:
@@ -85,7 +85,7 @@ class NoOpLossScale:
         """Returns `tree` itself."""
         return tree
 
-    def adjust(self, grads_finite: jax.Array, axis_name: AxisName | None = None) -> "NoOpLossScale":
+    def adjust(self, grads_finite: jax.Array, axis_name: AxisName | None = None) -> NoOpLossScale:
         """Returns `self`; there is nothing to adapt."""
         del grads_finite, axis_name
         return self
@@ -111,7 +111,7 @@ class StaticLossScale:
         """Every leaf of `tree` times ``1 / loss_scale``."""
         return _scale_leaves(tree, 1 / self.loss_scale)
 
-    def adjust(self, grads_finite: jax.Array, axis_name: AxisName | None = None) -> "StaticLossScale":
+    def adjust(self, grads_finite: jax.Array, axis_name: AxisName | None = None) -> StaticLossScale:
         """Returns `self`; a static scale never changes."""
         del grads_finite, axis_name
         return self
@@ -193,7 +193,7 @@ class DynamicLossScale:
 
     def adjust(
         self, grads_finite: jax.Array, axis_name: AxisName | None = None
-    ) -> "DynamicLossScale":
+    ) -> DynamicLossScale:
         """The next loss scale, given whether this step's gradients were finite.
 
         Args:
@@ -244,7 +244,7 @@ class DynamicLossScale:
         return (self.loss_scale, self.counter), (self.period, self.factor, key)
 
     @classmethod
-    def tree_unflatten(cls, static: Any, leaves: Any) -> "DynamicLossScale":
+    def tree_unflatten(cls, static: Any, leaves: Any) -> DynamicLossScale:
         """Rebuild from `tree_flatten`'s output (a traced minimum comes back as 1)."""
         period, factor, key = static
         if key is None:
@@ -267,4 +267,4 @@ jax.tree_util.register_pytree_node_class(DynamicLossScale)
 register_empty_pytree(NoOpLossScale)
 register_empty_pytree(StaticLossScale)
 
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale

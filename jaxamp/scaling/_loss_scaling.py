@@ -75,7 +75,7 @@ def loss_scaling(
       (`axis_name`, as `jaxamp.all_finite`);
     * finite: returns the wrapped optimizer's updates and state;
     * not finite: returns zero updates and the wrapped optimizer's state bit for
-      bit as it was (pair with `jaxamp.apply_if_finite_updates` and
+      bit as it was (pair with `jaxamp.scaling.apply_if_finite_updates` and
       ``opt_state.last_finite`` where the parameters' exact bits matter:
       ``p + 0.0`` turns ``-0.0`` into ``+0.0``);
     * moves the scale by `DynamicScalerState`'s rule: after ``patience``

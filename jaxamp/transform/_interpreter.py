@@ -428,10 +428,10 @@ def _structure(eqns: list, inputs: list, outputs: list) -> tuple:
     literals and wiring) are the same computation. Hashable unless a
     parameter is.
     """
-    where = {v: ("in", k) for k, v in enumerate(inputs)}
+    where: dict[Any, tuple] = {v: ("in", k) for k, v in enumerate(inputs)}
     parts = []
     for position, eqn in enumerate(eqns):
-        operands = []
+        operands: list[tuple] = []
         for v in eqn.invars:
             if isinstance(v, _compat.Literal):
                 literal = np.asarray(v.val)

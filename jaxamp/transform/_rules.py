@@ -90,7 +90,7 @@ def _with_algorithm(params: dict, dtype: Any) -> dict:
     preset = params.get("precision")
     if not isinstance(preset, jax.lax.DotAlgorithmPreset) or preset.supported_lhs_types is None:
         return params
-    if np.dtype(dtype) in map(np.dtype, preset.supported_lhs_types):
+    if np.dtype(dtype) in {np.dtype(t) for t in preset.supported_lhs_types}:
         return params
     return dict(params, precision=None)
 
@@ -152,9 +152,9 @@ def use_precision(dtype: Any) -> Rule:
 
 
 def _widest(dtypes: Sequence[Any]) -> np.dtype:
-    dtypes = {np.dtype(d) for d in dtypes}
-    if len(dtypes) == 1:
-        return dtypes.pop()
+    distinct = {np.dtype(d) for d in dtypes}
+    if len(distinct) == 1:
+        return distinct.pop()
     # float16 and bfloat16 have the same width but neither holds the other.
     return np.dtype(jnp.float32)
 
