@@ -109,9 +109,9 @@ def _delayed_step(mode: str, scaled: bool, float32_reductions: bool, mesh, recip
     histories = jaxamp.fp8.init_fp8_state(loss, _params(), jnp.ones((BATCH, D)))
 
     def grads_of(params, x, state):
-        value, (grads, observed) = jax.value_and_grad(
-            lambda p, s: loss(p, x, fp8_state=s), argnums=(0, 1)
-        )(params, histories)
+        value, (grads, observed) = jax.value_and_grad(lambda p, s: loss(p, x, fp8_state=s), argnums=(0, 1))(
+            params, histories
+        )
         return value, grads, histories.update(observed)
 
     return jax.jit(grads_of)

@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         prog="python -m benchmarks.eager",
         description="Time an eager call of an 8-layer MLP's loss, plain and under jaxamp.amp.",
     )
-    parser.add_argument(
-        "--calls", type=int, default=50, help="timed calls of each function (default: 50)"
-    )
+    parser.add_argument("--calls", type=int, default=50, help="timed calls of each function (default: 50)")
     parser.add_argument("--size", choices=SIZES, default="full", help="MLP size (default: full)")
     args = parser.parse_args(argv)
     results = measure(args.size, args.calls)

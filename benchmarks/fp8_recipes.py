@@ -149,9 +149,11 @@ def all_reduces() -> dict[str, int]:
     from .collectives import _compiled_all_reduces, _delayed_step, _step
 
     steps = {
-        name: (lambda mesh, r=recipe, make=_delayed_step if name == "delayed" else _step: make(
-            "jit", False, False, mesh, r
-        ))
+        name: (
+            lambda mesh, r=recipe, make=_delayed_step if name == "delayed" else _step: make(
+                "jit", False, False, mesh, r
+            )
+        )
         for name, recipe in RECIPES.items()
     }
     return {name: figures["all-reduces"] for name, figures in _compiled_all_reduces(AxisType.Explicit, steps).items()}

@@ -112,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     args = parser.parse_args(argv)
-    print(f"Residual bytes, amp over hand-cast (target <= {TARGETS['hand_cast']:.2f}) "
-          f"and over float32 (target <= {TARGETS['float32']:.2f}); JAX {jax.__version__}")
+    print(
+        f"Residual bytes, amp over hand-cast (target <= {TARGETS['hand_cast']:.2f}) "
+        f"and over float32 (target <= {TARGETS['float32']:.2f}); JAX {jax.__version__}"
+    )
     for name, row in measure(args.size).items():
         cells = []
         for key, ratio in row.items():

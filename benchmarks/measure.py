@@ -123,9 +123,7 @@ class Residuals:
 
 
 # The tail of a description such as "output of exp from /x/models.py:101:41 (causal_attention)".
-_SOURCE = re.compile(
-    r"output of (?P<what>.+?)(?: from (?P<file>.+?):(?P<line>\d+):\d+ \((?P<fn>.+)\))?$"
-)
+_SOURCE = re.compile(r"output of (?P<what>.+?)(?: from (?P<file>.+?):(?P<line>\d+):\d+ \((?P<fn>.+)\))?$")
 
 
 def _source_key(description: str) -> str:

@@ -159,9 +159,7 @@ class GPT(eqx.Module):
 
     def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
         if config.d_model % config.n_heads:
-            raise ValueError(
-                f"d_model={config.d_model} is not a multiple of n_heads={config.n_heads}."
-            )
+            raise ValueError(f"d_model={config.d_model} is not a multiple of n_heads={config.n_heads}.")
         k_embed, k_pos, k_blocks = jax.random.split(key, 3)
         d = config.d_model
         self.embed = 0.02 * jax.random.normal(k_embed, (config.vocab_size, d))
@@ -243,11 +241,7 @@ class ResBlock(eqx.Module):
         self.conv2 = eqx.nn.Conv2d(c_out, c_out, 3, padding=1, use_bias=False, key=k2)
         self.norm2 = eqx.nn.GroupNorm(groups, c_out)
         needs_projection = stride != 1 or c_in != c_out
-        self.shortcut = (
-            eqx.nn.Conv2d(c_in, c_out, 1, stride, use_bias=False, key=k3)
-            if needs_projection
-            else None
-        )
+        self.shortcut = eqx.nn.Conv2d(c_in, c_out, 1, stride, use_bias=False, key=k3) if needs_projection else None
 
     def __call__(self, x: Float[Array, "c h w"]) -> Float[Array, "c2 h2 w2"]:
         h = jax.nn.relu(self.norm1(self.conv1(x)))
@@ -268,9 +262,7 @@ class ResNet(eqx.Module):
         n_blocks = len(config.widths) * config.blocks_per_stage
         k_stem, k_head, *k_blocks = jax.random.split(key, 2 + n_blocks)
         first = config.widths[0]
-        self.stem = eqx.nn.Conv2d(
-            config.in_channels, first, 3, padding=1, use_bias=False, key=k_stem
-        )
+        self.stem = eqx.nn.Conv2d(config.in_channels, first, 3, padding=1, use_bias=False, key=k_stem)
         self.stem_norm = eqx.nn.GroupNorm(config.norm_groups, first)
         blocks, c_in = [], first
         for stage, width in enumerate(config.widths):
@@ -294,9 +286,7 @@ class ResNet(eqx.Module):
         return jax.vmap(one)(images)
 
 
-def classifier_loss(
-    model: ResNet, images: Float[Array, "b c h w"], labels: Int[Array, " b"]
-) -> Float[Array, ""]:
+def classifier_loss(model: ResNet, images: Float[Array, "b c h w"], labels: Int[Array, " b"]) -> Float[Array, ""]:
     """Cross-entropy of `model` on a labelled batch of images."""
     return cross_entropy(model(images), labels)
 

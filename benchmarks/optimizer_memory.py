@@ -59,9 +59,7 @@ def _bf16(params_rounding: str, state_rounding: str) -> Callable:
 
 
 PRECISIONS: dict[str, Precision] = {
-    "float32": Precision(
-        jnp.float32, lambda optimizer, key: optimizer, "float32 parameters and state"
-    ),
+    "float32": Precision(jnp.float32, lambda optimizer, key: optimizer, "float32 parameters and state"),
     "bf16 stochastic": Precision(
         jnp.bfloat16,
         _bf16("stochastic", "stochastic"),
@@ -84,9 +82,7 @@ PRECISIONS: dict[str, Precision] = {
 def clipped_adamw(learning_rate: Any = 3e-4) -> optax.GradientTransformation:
     """The optimizer measured and the one ``examples/char_lm.py`` trains with:
     global-norm clipping, then AdamW."""
-    return optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, weight_decay=0.01)
-    )
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, weight_decay=0.01))
 
 
 def tree_bytes(tree: Any) -> int:
@@ -123,9 +119,7 @@ def main() -> dict[str, dict[str, float]]:
     results = measure(GPT2_SMALL)
     n = results["float32"]["n_parameters"]
     print(f"GPT-2 small shape: {n:,} parameters; AdamW; JAX {jax.__version__}")
-    print(
-        "| precision | parameters (B/param) | AdamW state (B/param) | total (B/param) | vs float32 |"
-    )
+    print("| precision | parameters (B/param) | AdamW state (B/param) | total (B/param) | vs float32 |")
     print("|---|---|---|---|---|")
     base = results["float32"]["total"]
     for name, r in results.items():

@@ -61,9 +61,7 @@ MODELS = {"mlp": _mlp, "gpt": _gpt}
 
 
 def _time_to_runnable(redo_on_nan: int, loss: Callable, args: tuple) -> tuple[float, float]:
-    grad_fn = jaxamp.dynamic_scale_value_and_grad(
-        jaxamp.amp(loss, compute_dtype="f16"), redo_on_nan=redo_on_nan
-    )
+    grad_fn = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(loss, compute_dtype="f16"), redo_on_nan=redo_on_nan)
     step = jax.jit(lambda s, *a: grad_fn(*a, dynamic_scaler_state=s))
     return runnable_seconds(step, jaxamp.DynamicScalerState(), *args)
 

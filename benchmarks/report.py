@@ -98,9 +98,7 @@ _SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "bool":
 def _by_dtype(counts: dict[str, int]) -> str:
     if not counts:
         return "-"
-    return ", ".join(
-        f"{_SHORT_DTYPES.get(dtype, dtype)} {n / MIB:,.0f}" for dtype, n in sorted(counts.items())
-    )
+    return ", ".join(f"{_SHORT_DTYPES.get(dtype, dtype)} {n / MIB:,.0f}" for dtype, n in sorted(counts.items()))
 
 
 def _errors(per_variant: dict[str, dict]) -> list[str]:
@@ -288,9 +286,7 @@ def plot(results: dict, png_path: Path) -> Path | None:
     )
     if not models:
         return None
-    fig, axes = plt.subplots(
-        len(panels), len(models), figsize=(5 * len(models), 3.6 * len(panels)), squeeze=False
-    )
+    fig, axes = plt.subplots(len(panels), len(models), figsize=(5 * len(models), 3.6 * len(panels)), squeeze=False)
     colors = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#9467bd", "#2ca02c", "#d62728"]
     for col, (wkey, per_variant) in enumerate(models.items()):
         for row, (field, title, scale) in enumerate(panels):

@@ -55,9 +55,7 @@ def _comma_list(allowed: Any, what: str):
         items = [item for item in text.split(",") if item]
         unknown = [item for item in items if item not in allowed]
         if unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown {what} {', '.join(unknown)}; choose from {', '.join(allowed)}"
-            )
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(allowed)}")
         return items
 
     return parse
@@ -110,14 +108,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skip",
         type=_comma_list(SKIPPABLE, "measurement"),
         default=[],
-        help="comma-separated measurements to leave out: "
-        + "; ".join(f"'{k}': {v}" for k, v in SKIPPABLE.items()),
+        help="comma-separated measurements to leave out: " + "; ".join(f"'{k}': {v}" for k, v in SKIPPABLE.items()),
     )
     parser.add_argument(
         "--cold-runs",
         type=int,
-        help="fresh processes per model and function for the cold trace overhead "
-        "(default: 3, 2 with --quick)",
+        help="fresh processes per model and function for the cold trace overhead (default: 3, 2 with --quick)",
     )
     parser.add_argument(
         "--runnable-rounds",
@@ -169,9 +165,7 @@ def _static(results: dict, selected: dict, repeats: int, compiled: tuple[str, ..
         ):
             warnings.simplefilter("always")
             results["models"][wkey] = static_metrics(workload, repeats, compiled)
-            excess = guarded(
-                f"{wkey}: residual sources", lambda w=workload: {"rows": residual_excess(w)}
-            )
+            excess = guarded(f"{wkey}: residual sources", lambda w=workload: {"rows": residual_excess(w)})
         results["residual_excess"][wkey] = excess.get("rows", excess)
         messages = sorted({str(w.message) for w in caught if "jaxamp" in str(w.message)})
         results["warnings"][wkey] = messages
@@ -241,9 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(eager.format_results(results["eager"]), flush=True)
     if timed:
         with _phase(results, "step time", "step time and peak memory (one process per run)"):
-            timings = step_time.time_all(
-                args.size, selected, steps, warmup, deadline=started + args.budget
-            )
+            timings = step_time.time_all(args.size, selected, steps, warmup, deadline=started + args.budget)
         for wkey, per_variant in timings.items():
             for vkey, figures in per_variant.items():
                 results["models"][wkey][vkey].update(figures)

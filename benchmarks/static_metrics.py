@@ -60,9 +60,7 @@ def _one_variant(workload: Workload, key: str, args: tuple, compile_step: bool) 
     return out
 
 
-def static_metrics(
-    workload: Workload, repeats: int, compiled: tuple[str, ...] = COMPILED_VARIANTS
-) -> dict[str, dict]:
+def static_metrics(workload: Workload, repeats: int, compiled: tuple[str, ...] = COMPILED_VARIANTS) -> dict[str, dict]:
     """Measure every variant's value-and-grad step without running it.
 
     Args:
@@ -87,9 +85,7 @@ def static_metrics(
         )
         for key, variant in VARIANTS.items()
     }
-    medians = guarded(
-        f"{workload.key}: lowering", lambda: measure.median_lower_seconds(builders, repeats)
-    )
+    medians = guarded(f"{workload.key}: lowering", lambda: measure.median_lower_seconds(builders, repeats))
     results: dict[str, dict] = {}
     for key in VARIANTS:
         out = results[key] = {}
@@ -129,10 +125,7 @@ def residual_excess(workload: Workload, top: int = 6) -> list[dict]:
     model = eqx.filter_eval_shape(make, jax.random.key(0))
     keys = ("amp_bf16", "hand_bf16")
     by_source = {
-        key: measure.residuals(
-            VARIANTS[key].wrap(workload.loss_fn), model, *workload.batch
-        ).by_source
-        for key in keys
+        key: measure.residuals(VARIANTS[key].wrap(workload.loss_fn), model, *workload.batch).by_source for key in keys
     }
     # Differences below 0.1% of the total are rounding, not findings.
     negligible = 1e-3 * sum(sum(d.values()) for d in by_source["hand_bf16"].values())
@@ -141,7 +134,5 @@ def residual_excess(workload: Workload, top: int = 6) -> list[dict]:
         amp, hand = (by_source[key].get(source, {}) for key in keys)
         excess = sum(amp.values()) - sum(hand.values())
         if abs(excess) > negligible:
-            rows.append(
-                {"source": source, "amp_bf16": amp, "hand_bf16": hand, "excess_bytes": excess}
-            )
+            rows.append({"source": source, "amp_bf16": amp, "hand_bf16": hand, "excess_bytes": excess})
     return sorted(rows, key=lambda r: -abs(r["excess_bytes"]))[:top]

@@ -57,9 +57,7 @@ def time_training(workload: Workload, variant_key: str, steps: int, warmup: int)
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()
-        params, opt_state, scaler, loss = jax.block_until_ready(
-            compiled(params, opt_state, scaler, *batch)
-        )
+        params, opt_state, scaler, loss = jax.block_until_ready(compiled(params, opt_state, scaler, *batch))
         if i >= warmup:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)

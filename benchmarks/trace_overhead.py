@@ -110,10 +110,7 @@ def warm(
     for key in models or available:
         workload = available[key]
         args = workload.abstract_args()
-        builders = {
-            name: (_value_and_grad_builder(workload.loss_fn, name, compute_dtype), args)
-            for name in FUNCTIONS
-        }
+        builders = {name: (_value_and_grad_builder(workload.loss_fn, name, compute_dtype), args) for name in FUNCTIONS}
         results[key] = _summary(median_lower_seconds(builders, repeats))
     return results
 
@@ -145,9 +142,7 @@ def cold_lower_seconds(size: str, model: str, function: str, compute_dtype: str 
     return {"seconds": time.perf_counter() - start}
 
 
-def cold(
-    size: str = "full", runs: int = 3, compute_dtype: str = "bf16", models: Iterable[str] = ()
-) -> dict[str, dict]:
+def cold(size: str = "full", runs: int = 3, compute_dtype: str = "bf16", models: Iterable[str] = ()) -> dict[str, dict]:
     """Median first lowerings of plain, hand-cast and amp value-and-grad, each in a fresh process.
 
     For each model, `runs` rounds of one plain, one hand-cast and one amp
@@ -165,9 +160,7 @@ def cold(
         `warm` and every run's seconds), or ``{"error": ...}``
         when a process failed.
     """
-    return {
-        key: _cold_one(size, key, runs, compute_dtype) for key in models or trace_workloads(size)
-    }
+    return {key: _cold_one(size, key, runs, compute_dtype) for key in models or trace_workloads(size)}
 
 
 def _cold_one(size: str, model: str, runs: int, compute_dtype: str) -> dict:
@@ -260,10 +253,7 @@ def each_setting(results: dict[str, dict]) -> Iterator[tuple[str, str, dict]]:
 
 def format_results(results: dict[str, dict]) -> str:
     """A plain-text table of `measure`'s results: one row per model and setting."""
-    header = (
-        f"{'model':<14} {'setting':<8} {'plain':>8} {'hand':>8} {'amp':>8} {'amp/plain':>9} "
-        f"{'amp/hand':>8}"
-    )
+    header = f"{'model':<14} {'setting':<8} {'plain':>8} {'hand':>8} {'amp':>8} {'amp/plain':>9} {'amp/hand':>8}"
     lines = [header]
     for key, setting, r in each_setting(results):
         if "error" in r:
@@ -288,9 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             "process), for GPT-2 small unrolled, under lax.scan and unrolled at 24 layers."
         ),
     )
-    parser.add_argument(
-        "--repeats", type=int, default=7, help="timed warm lowerings per function (default: 7)"
-    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed warm lowerings per function (default: 7)")
     parser.add_argument(
         "--cold-runs",
         type=int,
@@ -301,13 +289,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         "--runnable-rounds",
         type=int,
         default=3,
-        help="rounds of lower + compile per function for time to a runnable step; 0 skips it "
-        "(default: 3)",
+        help="rounds of lower + compile per function for time to a runnable step; 0 skips it (default: 3)",
     )
     parser.add_argument("--size", choices=SIZES, default="full", help="model size (default: full)")
-    parser.add_argument(
-        "--compute-dtype", default="bf16", help="amp's compute dtype (default: bf16)"
-    )
+    parser.add_argument("--compute-dtype", default="bf16", help="amp's compute dtype (default: bf16)")
     args = parser.parse_args(argv)
     results = measure(
         args.size, args.repeats, args.cold_runs, args.compute_dtype,

@@ -68,9 +68,7 @@ def run(task: Callable[..., dict], kwargs: dict[str, Any], timeout_s: float) -> 
     spec = json.dumps({"task": task_name(task), "kwargs": kwargs})
     command = [sys.executable, "-m", "benchmarks.worker", spec]
     try:
-        proc = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, cwd=_ROOT, check=False
-        )
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=_ROOT, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f}s"}
     for line in reversed(proc.stdout.splitlines()):

@@ -111,11 +111,7 @@ def _gpt_workload(key: str, config: GPTConfig, batch: int) -> Workload:
             f"vocab {c.vocab_size}, batch {batch}, {layout})"
         ),
         make_model=lambda k: GPT(c, key=k),
-        make_flat_model=(
-            (lambda k: GPT(dataclasses.replace(c, scan_layers=False), key=k))
-            if c.scan_layers
-            else None
-        ),
+        make_flat_model=((lambda k: GPT(dataclasses.replace(c, scan_layers=False), key=k)) if c.scan_layers else None),
         loss_fn=lm_loss,
         batch=(tokens, tokens),
         unit="tokens",
@@ -213,10 +209,7 @@ def eager_workload(size: str) -> Workload:
     config, batch = (MLPConfig(128, 8), 16) if size == "full" else (MLPConfig(32, 2), 4)
     return Workload(
         key="mlp",
-        title=(
-            f"MLP ({config.n_layers} layers of width {config.width}, tanh, batch {batch}), "
-            "called eagerly"
-        ),
+        title=(f"MLP ({config.n_layers} layers of width {config.width}, tanh, batch {batch}), called eagerly"),
         make_model=lambda k: MLP(config, key=k),
         loss_fn=mean_square_loss,
         batch=(jax.ShapeDtypeStruct((batch, config.width), jnp.float32),),

@@ -145,9 +145,7 @@ def init_state(compute_dtype, model: GPT, tokens, targets):
     return jaxamp.fp8.init_fp8_state(jaxamp.amp(lm_loss, compute_dtype=compute_dtype), model, tokens, targets)
 
 
-def generate(
-    model: GPT, compute_dtype, prompts: tuple[str, ...], n_chars: int, key, fp8_state=None
-) -> list[str]:
+def generate(model: GPT, compute_dtype, prompts: tuple[str, ...], n_chars: int, key, fp8_state=None) -> list[str]:
     """Continue each prompt by `n_chars` bytes sampled at temperature 0.8.
 
     The model always sees a window of its full context length; positions after
@@ -161,7 +159,7 @@ def generate(
         forward = model if compute_dtype is None else jaxamp.amp(model, compute_dtype=compute_dtype)
         # The delayed recipe scales by the training's histories: the model's
         # matmuls are the loss's, in the same order.
-        logits = (forward(window[None]) if fp8_state is None else forward(window[None], fp8_state=fp8_state))
+        logits = forward(window[None]) if fp8_state is None else forward(window[None], fp8_state=fp8_state)
         logits = logits[0, position]
         return jax.random.categorical(key, logits / 0.8)
 
@@ -203,9 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "standard library's source, in float32 and under jaxamp.amp bf16, and compare.",
     )
     for flag, default, meaning in _OPTIONS:
-        parser.add_argument(
-            flag, type=type(default), default=default, help=f"{meaning} (default: {default:g})"
-        )
+        parser.add_argument(flag, type=type(default), default=default, help=f"{meaning} (default: {default:g})")
     parser.add_argument(
         "--modes",
         type=_modes,
@@ -230,9 +226,7 @@ def _modes(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(","))
     unknown = [name for name in names if name not in MODES]
     if unknown or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(
-            f"modes must be distinct names among {', '.join(MODES)}; got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"modes must be distinct names among {', '.join(MODES)}; got {text!r}")
     return names
 
 
@@ -306,9 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
         tokens, targets = sample_batch(train_data, rng, args.batch_size, args.seq_len)
         for name, run in runs.items():
             start = time.perf_counter()
-            out = jax.block_until_ready(
-                run["step"](run["model"], run["opt_state"], run["fp8_state"], tokens, targets)
-            )
+            out = jax.block_until_ready(run["step"](run["model"], run["opt_state"], run["fp8_state"], tokens, targets))
             if "recorder" in run:
                 out, stats = out
                 run["recorder"].record(i, stats)  # kept on device; read in batches
@@ -327,13 +319,14 @@ def main(argv: list[str] | None = None) -> dict:
                 cells.append(f"{recent:>12.3f} / {val_loss[name][-1]:<8.3f}")
             print(f"{i + 1:>6}" + "".join(f"{c:>{width}}" for c in cells), flush=True)
 
-    print("\nmean step time: " + ", ".join(
-        f"{name} {1e3 * np.mean(s):.1f} ms" for name, s in seconds.items() if s
-    ))
-    print(f"final validation loss after {args.steps} steps: " + ", ".join(
-        f"{name} {losses[-1]:.4f}" + _gap(losses[-1], val_loss.get(REFERENCE), name)
-        for name, losses in val_loss.items()
-    ))
+    print("\nmean step time: " + ", ".join(f"{name} {1e3 * np.mean(s):.1f} ms" for name, s in seconds.items() if s))
+    print(
+        f"final validation loss after {args.steps} steps: "
+        + ", ".join(
+            f"{name} {losses[-1]:.4f}" + _gap(losses[-1], val_loss.get(REFERENCE), name)
+            for name, losses in val_loss.items()
+        )
+    )
     if args.plot is not None:
         plot(train_loss, val_loss, val_steps, args.plot)
         print(f"loss curves saved to {args.plot}")
@@ -350,9 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
         "val_loss": val_loss,
         "val_steps": val_steps,
         "samples": samples,
-        "step_seconds": {
-            name: float(np.mean(s)) if s else float("nan") for name, s in seconds.items()
-        },
+        "step_seconds": {name: float(np.mean(s)) if s else float("nan") for name, s in seconds.items()},
         "monitor": monitored,
     }
 

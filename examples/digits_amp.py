@@ -92,7 +92,10 @@ def load_data(seed: int):
     digits = load_digits()
     images = (digits.images / 16.0).astype(np.float32)[:, None]
     return train_test_split(
-        images, digits.target.astype(np.int32), test_size=0.25, random_state=seed,
+        images,
+        digits.target.astype(np.int32),
+        test_size=0.25,
+        random_state=seed,
         stratify=digits.target,
     )
 
@@ -153,9 +156,7 @@ class RunResult:
         return float(np.mean(self.losses[-20:]))
 
 
-def train(
-    name: str, data, *, steps: int, batch_size: int, lr: float, seed: int, patience: int
-) -> RunResult:
+def train(name: str, data, *, steps: int, batch_size: int, lr: float, seed: int, patience: int) -> RunResult:
     """Train a fresh `CNN` in one mode of `MODES` and evaluate it on the test set.
 
     `patience` is the float16 run's number of finite steps before the loss scale
@@ -204,10 +205,7 @@ def train(
 
 
 def print_table(results: dict[str, RunResult]) -> None:
-    header = (
-        f"{'run':<24}{'test acc':>9}{'final loss':>12}{'step (ms)':>11}{'skipped':>9}"
-        f"{'loss scale':>12}"
-    )
+    header = f"{'run':<24}{'test acc':>9}{'final loss':>12}{'step (ms)':>11}{'skipped':>9}{'loss scale':>12}"
     print(header)
     print("-" * len(header))
     for name, r in results.items():

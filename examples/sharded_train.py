@@ -99,14 +99,10 @@ def main():
     # float32 master weights; amp casts to bf16 inside the loss only.
     shard_fns, gather_fns = make_shard_and_gather_fns(param_specs, jnp.float32)
 
-    optimizer = optax.adamw(
-        LEARNING_RATE, weight_decay=1e-4, mask=get_weight_decay_mask([r"/b$"])
-    )
+    optimizer = optax.adamw(LEARNING_RATE, weight_decay=1e-4, mask=get_weight_decay_mask([r"/b$"]))
     # Specs for the optimizer state come from its shapes alone, so init can write
     # each moment straight into its shards.
-    opt_specs = match_partition_rules(
-        PARTITION_RULES, jax.eval_shape(optimizer.init, host_params)
-    )
+    opt_specs = match_partition_rules(PARTITION_RULES, jax.eval_shape(optimizer.init, host_params))
     param_shardings, opt_shardings = shardings(param_specs), shardings(opt_specs)
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     replicated = NamedSharding(mesh, P())
@@ -139,13 +135,17 @@ def main():
         print(f"{STEPS} steps in {time.perf_counter() - start:.1f}s (including compilation)")
 
     w0 = params["layers"][0]["w"]
-    print(f"layers/0/w      {w0.dtype} {w0.shape} sharding {w0.sharding.spec}, "
-          f"per-device block {w0.addressable_shards[0].data.shape}")
+    print(
+        f"layers/0/w      {w0.dtype} {w0.shape} sharding {w0.sharding.spec}, "
+        f"per-device block {w0.addressable_shards[0].data.shape}"
+    )
     print(f"head/w          sharding {params['head']['w'].sharding.spec}")
     print(f"adam mu layers/0/w sharding {opt_state[0].mu['layers'][0]['w'].sharding.spec}")
     host = tree_apply(gather_fns, params)
-    print(f"gathered layers/0/w: {type(host['layers'][0]['w']).__name__} "
-          f"{host['layers'][0]['w'].dtype} {host['layers'][0]['w'].shape}")
+    print(
+        f"gathered layers/0/w: {type(host['layers'][0]['w']).__name__} "
+        f"{host['layers'][0]['w'].dtype} {host['layers'][0]['w'].shape}"
+    )
 
 
 if __name__ == "__main__":

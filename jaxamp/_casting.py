@@ -22,9 +22,7 @@ from ._dtypes import is_castable
 __all__ = ["as_array", "cast_value", "dtype_of", "saturating_cast", "shared_casts"]
 
 # value id -> {dtype: (value, its cast)} for the jaxpr being interpreted.
-_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "jaxamp_shared_casts", default=None
-)
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxamp_shared_casts", default=None)
 
 
 @contextlib.contextmanager

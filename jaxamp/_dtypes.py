@@ -27,9 +27,7 @@ __all__ = [
 
 # The only dtypes amp ever converts from or to. float64 and complex are left alone:
 # a user who enabled x64 or works in complex numbers asked for that precision.
-CASTABLE_DTYPES: frozenset[np.dtype] = frozenset(
-    np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16)
-)
+CASTABLE_DTYPES: frozenset[np.dtype] = frozenset(np.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16))
 
 # First name of each tuple is the short name used by `str(Policy)`.
 _DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
@@ -38,9 +36,7 @@ _DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
     np.dtype(jnp.float16): ("f16", "float16", "fp16"),
     np.dtype(jnp.float64): ("f64", "float64", "fp64"),
 }
-_NAME_TO_DTYPE: dict[str, np.dtype] = {
-    name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names
-}
+_NAME_TO_DTYPE: dict[str, np.dtype] = {name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names}
 _ACCEPTED = ", ".join(sorted(_NAME_TO_DTYPE) + ["half"])
 
 
@@ -76,9 +72,7 @@ def parse_dtype(value: str) -> np.dtype:
     try:
         return _NAME_TO_DTYPE[key]
     except KeyError:
-        raise ValueError(
-            f"Unknown dtype: {value} (expected one of: {_ACCEPTED})."
-        ) from None
+        raise ValueError(f"Unknown dtype: {value} (expected one of: {_ACCEPTED}).") from None
 
 
 # Names diagnostics show for the float8 formats of amp's fp8 mode. Not parsed:
@@ -123,8 +117,7 @@ def canonical_compute_dtype(value: Any, *, argname: str = "compute_dtype") -> np
                 dtype = np.dtype(key)
             except TypeError:
                 raise ValueError(
-                    f"Unknown {argname} {value!r}: expected one of {_ACCEPTED}, or a "
-                    "dtype such as jnp.bfloat16."
+                    f"Unknown {argname} {value!r}: expected one of {_ACCEPTED}, or a dtype such as jnp.bfloat16."
                 ) from None
     else:
         try:
@@ -174,6 +167,7 @@ def array_part(tree: Any) -> Any:
     Leaves outside modules are kept: a Python number in a dict of parameters
     is a parameter, and is checked as one.
     """
+
     def filtered(node: Any) -> Any:
         return eqx.filter(node, eqx.is_array) if isinstance(node, eqx.Module) else node
 

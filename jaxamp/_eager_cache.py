@@ -56,9 +56,7 @@ class EagerCache:
         self.maxsize = maxsize
         self.hits = 0
         self.misses = 0
-        self._entries: collections.OrderedDict[Any, tuple[Any, Callable]] = (
-            collections.OrderedDict()
-        )
+        self._entries: collections.OrderedDict[Any, tuple[Any, Callable]] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -90,9 +88,7 @@ class EagerCache:
             program, traced_args, rebuild, stateless = options.rewrite(fn, args, kwargs)
             entry = (_EagerProgram(program), rebuild)
             # Reused only if later calls' array leaves are exactly its inputs.
-            if stateless and len(traced_args) == len(flat_args) and all(
-                a is b for a, b in zip(traced_args, flat_args)
-            ):
+            if stateless and len(traced_args) == len(flat_args) and all(a is b for a, b in zip(traced_args, flat_args)):
                 self._entries[key] = entry
                 if len(self._entries) > self.maxsize:
                     self._entries.popitem(last=False)

@@ -76,9 +76,7 @@ def matmul_name(eqn: Any) -> str:
 
 def holds_matmul(eqn: Any) -> bool:
     """Whether `eqn` is a matmul or carries one in a body (a call, a loop...)."""
-    return eqn.primitive.name in MATMUL_NAMES or any(
-        next(matmuls_in(body), None) is not None for body in bodies(eqn)
-    )
+    return eqn.primitive.name in MATMUL_NAMES or any(next(matmuls_in(body), None) is not None for body in bodies(eqn))
 
 
 def merge_runs(runs: Iterable[tuple[int, int]]) -> dict[int, int]:
@@ -112,9 +110,7 @@ def equation_flops(eqn: Any) -> int:
             dimension_numbers, rhs_group = ragged.dot_dimension_numbers, ragged.rhs_group_dimensions
         (_, rhs_contract), (_, rhs_batch) = dimension_numbers
         lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-        rhs_free = [
-            d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch, *rhs_group)
-        ]
+        rhs_free = [d for i, d in enumerate(rhs) if i not in (*rhs_contract, *rhs_batch, *rhs_group)]
         return 2 * math.prod(lhs) * math.prod(rhs_free)
     if name == "conv_general_dilated":
         out = eqn.outvars[0].aval.shape

@@ -32,9 +32,7 @@ __all__ = ["UNSET", "AmpOptions"]
 
 UNSET: Any = object()
 """The default of `amp`'s ``compute_dtype``: distinguishes "not given" from None."""
-_PRIMITIVE_NAMES = frozenset(
-    getattr(key, "name", None) for key in default_amp_policy if not isinstance(key, str)
-)
+_PRIMITIVE_NAMES = frozenset(getattr(key, "name", None) for key in default_amp_policy if not isinstance(key, str))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +58,7 @@ class AmpOptions:
         compute, output_dtype, fp8 = _resolve_dtypes(compute_dtype, policy)
         table = _check_policy_table(default_amp_policy if amp_policy is None else amp_policy)
         if not isinstance(float32_gradient_reductions, bool):
-            raise TypeError(
-                "float32_gradient_reductions must be a bool, got "
-                f"{float32_gradient_reductions!r}."
-            )
+            raise TypeError(f"float32_gradient_reductions must be a bool, got {float32_gradient_reductions!r}.")
         return cls(compute, table, output_dtype, fp8, float32_gradient_reductions)
 
     def policy_table(self) -> PolicyTable:
@@ -206,9 +201,7 @@ def _collection_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _resolve_dtypes(
-    compute_dtype: Any, policy: Any
-) -> tuple[np.dtype, np.dtype | None, Fp8Recipe | None]:
+def _resolve_dtypes(compute_dtype: Any, policy: Any) -> tuple[np.dtype, np.dtype | None, Fp8Recipe | None]:
     """``(compute dtype, output dtype or None, fp8 recipe or None)`` of `amp`'s arguments.
 
     fp8 mode (``compute_dtype="fp8"`` or an `Fp8Recipe`) computes in bfloat16
@@ -231,16 +224,12 @@ def _resolve_dtypes(
     if compute is not None and compute != np.dtype(resolved.compute_dtype):
         raise ValueError(
             f"amp got compute_dtype={compute_dtype!r} and policy={str(resolved)!r}, "
-            "which disagree: pass one of them"
-            + (" (fp8 mode computes in bf16)." if fp8 is not None else ".")
+            "which disagree: pass one of them" + (" (fp8 mode computes in bf16)." if fp8 is not None else ".")
         )
     return np.dtype(resolved.compute_dtype), np.dtype(resolved.output_dtype), fp8
 
 
-_FP8_HINT = (
-    f"For float8 matmuls pass compute_dtype={FP8_NAMES[0]!r} (or {FP8_NAMES[1]!r}, "
-    "or a jaxamp.fp8.Fp8Recipe)."
-)
+_FP8_HINT = f"For float8 matmuls pass compute_dtype={FP8_NAMES[0]!r} (or {FP8_NAMES[1]!r}, or a jaxamp.fp8.Fp8Recipe)."
 
 
 def _canonical_or_fp8_hint(compute_dtype: Any) -> np.dtype:
@@ -266,8 +255,7 @@ def _is_float8(value: Any) -> bool:
 def _check_policy_table(table: Any) -> Mapping[Any, Callable]:
     if not isinstance(table, Mapping):
         raise TypeError(
-            f"amp_policy must be a dict mapping primitives or scope names to rules, "
-            f"got {type(table).__name__}."
+            f"amp_policy must be a dict mapping primitives or scope names to rules, got {type(table).__name__}."
         )
     for key, rule in table.items():
         if not isinstance(key, (str, _compat.Primitive)):
@@ -339,4 +327,3 @@ def _keeping_state(nnx_call: Any, keep_state: Callable[[Any, list], Any]) -> Cal
         return out, (updates, created)
 
     return fn
-

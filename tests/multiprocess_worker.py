@@ -55,9 +55,7 @@ def _parse() -> argparse.Namespace:
 
 ARGS = _parse()
 DEVICES = 4
-os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={DEVICES // ARGS.num_processes}"
-)
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES // ARGS.num_processes}"
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
@@ -143,12 +141,13 @@ def main():
     compute_dtype = ARGS.dtype
     if ARGS.dtype.startswith("fp8"):  # both matmuls in float8; delayed: scaled from amax histories
         compute_dtype = jaxamp.Fp8Recipe(
-            scaling="delayed" if delayed else "tensorwise", amax_history_length=4, keep_last_matmul_bf16=False,
-            gemm_multiple=1, min_contraction=1,
+            scaling="delayed" if delayed else "tensorwise",
+            amax_history_length=4,
+            keep_last_matmul_bf16=False,
+            gemm_multiple=1,
+            min_contraction=1,
         )
-    amp_loss = jaxamp.amp(
-        loss_fn, compute_dtype=compute_dtype, float32_gradient_reductions=ARGS.float32_reductions
-    )
+    amp_loss = jaxamp.amp(loss_fn, compute_dtype=compute_dtype, float32_gradient_reductions=ARGS.float32_reductions)
     batch_sharding = NamedSharding(mesh, P("dp"))
     replicated = NamedSharding(mesh, P())
 
@@ -156,10 +155,7 @@ def main():
         x, y = global_batch(step)
         rows = BATCH // jax.process_count()
         start = jax.process_index() * rows
-        return tuple(
-            jax.make_array_from_process_local_data(batch_sharding, a[start : start + rows])
-            for a in (x, y)
-        )
+        return tuple(jax.make_array_from_process_local_data(batch_sharding, a[start : start + rows]) for a in (x, y))
 
     with jax.set_mesh(mesh):
         params = jax.device_put(to_storage(init_params()), replicated)
@@ -169,7 +165,9 @@ def main():
             # The state's gradient (the observed amaxes) passes the loss
             # scaler unscaled, and every process rolls in the same amaxes.
             grad_fn = jaxamp.dynamic_scale_value_and_grad(
-                lambda p, s, x, y: amp_loss(p, x, y, fp8_state=s), filter=False, redo_on_nan=ARGS.redo_on_nan,
+                lambda p, s, x, y: amp_loss(p, x, y, fp8_state=s),
+                filter=False,
+                redo_on_nan=ARGS.redo_on_nan,
                 argnums=(0, 1),
             )
             fp8_state = jax.device_put(jaxamp.init_fp8_state(amp_loss, params, *put_batch(0)), replicated)
@@ -190,7 +188,9 @@ def main():
 
             def grads_of(params, opt_state, x, y):
                 loss = jaxamp.amp(
-                    loss_fn, compute_dtype=compute_dtype, loss_scale=opt_state,
+                    loss_fn,
+                    compute_dtype=compute_dtype,
+                    loss_scale=opt_state,
                     float32_gradient_reductions=ARGS.float32_reductions,
                 )
                 return jax.value_and_grad(loss)(params, x, y)
@@ -208,9 +208,7 @@ def main():
             else:
 
                 def body(shards, opt_state, scaler, x, y):
-                    params = jax.tree_util.tree_map(
-                        lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), shards
-                    )
+                    params = jax.tree_util.tree_map(lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), shards)
                     loss, grads = grads_of(params, opt_state, x, y)
                     grads = jax.tree_util.tree_map(
                         lambda g: jax.lax.psum_scatter(g, "dp", scatter_dimension=0, tiled=True) / DEVICES,
@@ -228,7 +226,8 @@ def main():
                 state_spec = specs(jax.eval_shape(optimizer.init, params))
                 step = jax.jit(
                     jax.shard_map(
-                        body, mesh=mesh,
+                        body,
+                        mesh=mesh,
                         in_specs=(param_spec, state_spec, P(), P("dp"), P("dp")),
                         out_specs=(param_spec, state_spec, P(), P(), P()),
                         check_vma=False,  # as pmap: the wrapper decides over its axis_name
@@ -239,9 +238,7 @@ def main():
                 )(params)
         elif ARGS.mode == "jit":
             optimizer = jaxamp.skip_nonfinite_updates(make_optimizer())
-            grad_fn = jaxamp.dynamic_scale_value_and_grad(
-                amp_loss, filter=False, redo_on_nan=ARGS.redo_on_nan
-            )
+            grad_fn = jaxamp.dynamic_scale_value_and_grad(amp_loss, filter=False, redo_on_nan=ARGS.redo_on_nan)
 
             @jax.jit
             def step(params, opt_state, scaler, x, y):
@@ -258,7 +255,10 @@ def main():
             # maximum over "dp"), so every device rolls in the same.
             grad_fn = jaxamp.dynamic_scale_value_and_grad(
                 (lambda p, s, x, y: amp_loss(p, x, y, fp8_state=s)) if delayed else amp_loss,
-                filter=False, redo_on_nan=ARGS.redo_on_nan, axis_name="dp", argnums=(0, 1) if delayed else 0,
+                filter=False,
+                redo_on_nan=ARGS.redo_on_nan,
+                axis_name="dp",
+                argnums=(0, 1) if delayed else 0,
             )
             if delayed:
                 fp8_state = jax.device_put(jaxamp.init_fp8_state(amp_loss, params, *put_batch(0)), replicated)
@@ -268,13 +268,9 @@ def main():
             # reduce-scatters the gradients back to the shards.
             def body(shards, opt_state, scaler, *state_and_batch):
                 *fp8_state, x, y = state_and_batch
-                params = jax.tree_util.tree_map(
-                    lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), shards
-                )
+                params = jax.tree_util.tree_map(lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), shards)
                 if delayed:
-                    scaler, (loss, (grads, observed)) = grad_fn(
-                        params, *fp8_state, x, y, dynamic_scaler_state=scaler
-                    )
+                    scaler, (loss, (grads, observed)) = grad_fn(params, *fp8_state, x, y, dynamic_scaler_state=scaler)
                     fp8_state = [fp8_state[0].update(observed)]
                 else:
                     scaler, (loss, grads) = grad_fn(params, x, y, dynamic_scaler_state=scaler)
@@ -302,9 +298,9 @@ def main():
                     out_specs=(param_spec, state_spec, P(), *fp8_spec, P(), P()),
                 )
             )
-            opt_state = jax.jit(
-                jax.shard_map(optimizer.init, mesh=mesh, in_specs=(param_spec,), out_specs=state_spec)
-            )(params)
+            opt_state = jax.jit(jax.shard_map(optimizer.init, mesh=mesh, in_specs=(param_spec,), out_specs=state_spec))(
+                params
+            )
 
         scaler = jaxamp.DynamicScalerState(scaler=2.0**15, patience=3)
         losses, scales, finite = [], [], []
@@ -338,12 +334,17 @@ def main():
         scaler=np.concatenate(host(scaler)),
         opt_state=np.concatenate(host(opt_state)) if ARGS.mode == "jit" else np.zeros(0, np.uint8),
         params_f32=np.concatenate(
-            [np.asarray(jax.device_get(_gathered(leaf)), np.float32).ravel() for leaf in jax.tree_util.tree_leaves(params)]
+            [
+                np.asarray(jax.device_get(_gathered(leaf)), np.float32).ravel()
+                for leaf in jax.tree_util.tree_leaves(params)
+            ]
         ),
         fp8_state=np.concatenate(host(fp8_state)) if fp8_state is not None else np.zeros(0, np.uint8),
         fp8_histories=np.concatenate(
             [np.asarray(h).ravel() for h in jax.tree_util.tree_leaves(jax.device_get(fp8_state))]
-        ) if fp8_state is not None else np.zeros(0, np.float32),
+        )
+        if fp8_state is not None
+        else np.zeros(0, np.float32),
         losses=np.array(losses),
         scales=np.array(scales),
         finite=np.array(finite),

@@ -309,8 +309,7 @@ def test_user_written_rule_receives_the_seed_signature():
     with pytest.warns(UserWarning, match="no entry for primitive 'tanh'"):
         amp(_mlp, amp_policy={jax.lax.dot_general_p: record}, compute_dtype="bf16")(W, X)
     assert calls == [
-        (jnp.bfloat16, (jnp.float32, jnp.float32), 2,
-         sorted(jax.make_jaxpr(lambda a, b: a @ b)(X, W).eqns[0].params))
+        (jnp.bfloat16, (jnp.float32, jnp.float32), 2, sorted(jax.make_jaxpr(lambda a, b: a @ b)(X, W).eqns[0].params))
     ]
 
 
@@ -504,12 +503,15 @@ def test_non_callable_is_a_type_error():
         amp(3)
 
 
-@pytest.mark.parametrize("dtype, error, match", [
-    (jnp.int32, TypeError, "int32"),
-    ("f17", ValueError, "f17"),
-    (jnp.float64, TypeError, "float64"),
-    (object(), TypeError, "compute_dtype"),
-])
+@pytest.mark.parametrize(
+    "dtype, error, match",
+    [
+        (jnp.int32, TypeError, "int32"),
+        ("f17", ValueError, "f17"),
+        (jnp.float64, TypeError, "float64"),
+        (object(), TypeError, "compute_dtype"),
+    ],
+)
 def test_bad_compute_dtype(dtype, error, match):
     with pytest.raises(error, match=match):
         amp(_mlp, compute_dtype=dtype)
@@ -544,8 +546,15 @@ def test_amp_stop_rejects_non_callables():
 
 
 def test_exports():
-    for name in ["amp", "amp_stop", "default_amp_policy", "use_compute_precision",
-                 "use_original_precision", "use_precision", "use_widest_precision"]:
+    for name in [
+        "amp",
+        "amp_stop",
+        "default_amp_policy",
+        "use_compute_precision",
+        "use_original_precision",
+        "use_precision",
+        "use_widest_precision",
+    ]:
         assert name in jaxamp.__all__
 
 

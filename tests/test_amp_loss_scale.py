@@ -209,9 +209,9 @@ def test_inside_a_lax_scan_training_loop():
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), (value, opt_state.last_finite)
 
-    (params, opt_state), (values, finite) = jax.jit(
-        lambda c: jax.lax.scan(body, c, None, length=20)
-    )((params, optimizer.init(params)))
+    (params, opt_state), (values, finite) = jax.jit(lambda c: jax.lax.scan(body, c, None, length=20))(
+        (params, optimizer.init(params))
+    )
     assert not bool(finite[0]) and bool(finite[-1])
     assert int(opt_state.scaler_state.total_resets) >= 1
     assert float(values[-1]) < float(values[0]) and _finite(params)
@@ -219,9 +219,9 @@ def test_inside_a_lax_scan_training_loop():
 
 def test_under_vmap_per_example_gradients_are_unscaled():
     params, (x, y) = _params(), _batch()
-    per_example = jax.vmap(
-        jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=2.0**6)), in_axes=(None, 0, 0)
-    )(params, x[:, None], y[:, None])
+    per_example = jax.vmap(jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=2.0**6)), in_axes=(None, 0, 0))(
+        params, x[:, None], y[:, None]
+    )
     plain = jax.vmap(jax.grad(jaxamp.amp(_loss, compute_dtype="f16")), in_axes=(None, 0, 0))(
         params, x[:, None], y[:, None]
     )
@@ -238,9 +238,7 @@ def test_with_an_equinox_module_and_filter_value_and_grad():
     def loss_fn(model, x, y):
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
-    _, grads = eqx.filter_value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state))(
-        model, x, y
-    )
+    _, grads = eqx.filter_value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state))(model, x, y)
     _, (_, expected) = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16"))(
         model, x, y, dynamic_scaler_state=jaxamp.DynamicScalerState(scaler=2.0**8)
     )
@@ -285,6 +283,7 @@ def test_under_pmap_an_overflow_on_one_replica_leaves_every_replica_with_the_sam
     params = _params()
     x, y = _batch(n=4 * N)
     x = x.at[4 * 2].multiply(300.0)  # replica 2's batch overflows the scaled float16 backward
+
     def replicate(tree):
         return jax.tree_util.tree_map(lambda v: jnp.stack([v] * N), tree)
 

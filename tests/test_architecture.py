@@ -154,7 +154,10 @@ def test_the_checker_sees_a_circle():
     # The circles this layout removed: _amp -> _eager_cache -> _amp, and
     # _amp -> _fp8 -> _diagnostics -> _amp.
     old = {
-        "_amp": {"_eager_cache", "_fp8"}, "_eager_cache": {"_amp"}, "_fp8": {"_diagnostics"}, "_diagnostics": {"_amp"}
+        "_amp": {"_eager_cache", "_fp8"},
+        "_eager_cache": {"_amp"},
+        "_fp8": {"_diagnostics"},
+        "_diagnostics": {"_amp"},
     }
     assert _find_circle(old) == ["_amp", "_eager_cache", "_amp"]
     assert _find_circle({k: v - {"_eager_cache"} for k, v in old.items()}) == ["_amp", "_fp8", "_diagnostics", "_amp"]

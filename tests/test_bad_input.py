@@ -41,9 +41,7 @@ def matmul(x):
 # --- the function ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "fn", [3, "matmul", [matmul], X, object()], ids=lambda fn: type(fn).__name__
-)
+@pytest.mark.parametrize("fn", [3, "matmul", [matmul], X, object()], ids=lambda fn: type(fn).__name__)
 def test_non_callable_fn_is_a_type_error_naming_it(fn):
     with pytest.raises(TypeError, match=f"amp expects a callable.*got {type(fn).__name__}"):
         amp(fn)
@@ -96,8 +94,11 @@ def test_bad_compute_dtype_names_argument_and_value(where, dtype, error, name):
 
 @pytest.mark.parametrize(
     "value, error, match",
-    [(3, TypeError, "expects a string.*got 3"), (None, TypeError, "got None"),
-     ("f17", ValueError, "Unknown dtype: f17")],
+    [
+        (3, TypeError, "expects a string.*got 3"),
+        (None, TypeError, "got None"),
+        ("f17", ValueError, "Unknown dtype: f17"),
+    ],
 )
 def test_parse_dtype_rejects(value, error, match):
     with pytest.raises(error, match=match):
@@ -182,8 +183,12 @@ def _matmul_in_scan(x):
     [
         pytest.param(_scoped_matmul, {"blk": _too_few}, r"_too_few \(chosen by scope:blk\)", id="scope_entry"),
         pytest.param(matmul, {"amp_default": _too_few}, r"_too_few \(chosen by amp_default\)", id="amp_default"),
-        pytest.param(matmul, {lax.dot_general_p: functools.partial(_too_few)},
-                     r"functools.partial\(<function _too_few", id="partial_rule"),
+        pytest.param(
+            matmul,
+            {lax.dot_general_p: functools.partial(_too_few)},
+            r"functools.partial\(<function _too_few",
+            id="partial_rule",
+        ),
         pytest.param(jax.jit(matmul), {lax.dot_general_p: _too_few}, "_too_few", id="inside_jit"),
         pytest.param(_matmul_in_scan, {lax.dot_general_p: _too_few}, "_too_few", id="inside_scan"),
     ],

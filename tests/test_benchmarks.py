@@ -303,7 +303,9 @@ def test_fp8_recipes_all_reduces_on_an_explicit_data_parallel_step():
     from benchmarks.collectives import _compiled_all_reduces, _delayed_step
 
     delayed = fp8_recipes.RECIPES["delayed"]
-    auto = _compiled_all_reduces(AxisType.Auto, {"delayed": lambda mesh: _delayed_step("jit", False, False, mesh, delayed)})
+    auto = _compiled_all_reduces(
+        AxisType.Auto, {"delayed": lambda mesh: _delayed_step("jit", False, False, mesh, delayed)}
+    )
     assert auto["delayed"]["all-reduces"] == counts["bf16"] + 1, auto
 
 

@@ -38,7 +38,6 @@ pytestmark = [
 ]
 
 
-
 def uniform(lo, hi, shape):
     return jnp.asarray(RNG.uniform(lo, hi, shape).astype(np.float32))
 
@@ -178,10 +177,7 @@ def test_fused_derivatives_run_as_jax_0_10_ran_them(name):
     defined = _compat.primitives_by_name()
     assert not {p for p in _FUSED if p in expected and p in defined} - found
     wrong = {
-        (p, dtypes)
-        for p, dtype in expected.items()
-        for dtypes in operand_dtypes(jaxpr, p)
-        if set(dtypes) != {dtype}
+        (p, dtypes) for p, dtype in expected.items() for dtypes in operand_dtypes(jaxpr, p) if set(dtypes) != {dtype}
     }
     assert wrong == set()
 

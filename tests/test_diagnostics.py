@@ -189,7 +189,9 @@ def test_printed_table_folds_repeated_layers_and_shows_source_lines():
     # Ten instances, one set of rows, counts summed: the first layer's matmul
     # (a float32 input) apart from the other nine's (bfloat16 from the tanh).
     assert sorted(line.split()[1:3] for line in layer_rows) == [
-        ["dot_general", "1"], ["dot_general", "9"], ["tanh", "10"]
+        ["dot_general", "1"],
+        ["dot_general", "9"],
+        ["tanh", "10"],
     ]
     assert all("test_diagnostics.py:" in line for line in layer_rows)
     assert sum(line.startswith("layer_norm_") for line in unfolded) == 20

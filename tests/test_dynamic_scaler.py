@@ -26,9 +26,7 @@ def test_dynamic_scaler():
             f = aux_func if aux else func
             scaler_state = DynamicScalerState(scaler=2**15, patience=10)
             x = jnp.array(2.0, dtype=jnp.float16)
-            value_and_grad_fn = jax.jit(
-                dynamic_scale_value_and_grad(f, filter=filter, has_aux=aux, redo_on_nan=100)
-            )
+            value_and_grad_fn = jax.jit(dynamic_scale_value_and_grad(f, filter=filter, has_aux=aux, redo_on_nan=100))
             scaler_state, (value, grad) = value_and_grad_fn(x, dynamic_scaler_state=scaler_state)
             if aux:
                 value, aux_v = value
@@ -283,9 +281,7 @@ def test_filter_true_differentiates_arrays_and_skips_other_fields():
     model = _MLP(jnp.array([1.0, 2.0]), jnp.array([0.5, -0.5]), jax.nn.relu, 2)
     fn = eqx.filter_jit(dynamic_scale_grad(_mlp_loss, filter=True))
     state, grads = fn(model, jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState())
-    expected = jax.grad(lambda w, b: jnp.sum(jax.nn.relu(w + b) ** 2), argnums=(0, 1))(
-        model.weight, model.bias
-    )
+    expected = jax.grad(lambda w, b: jnp.sum(jax.nn.relu(w + b) ** 2), argnums=(0, 1))(model.weight, model.bias)
     np.testing.assert_allclose(grads.weight, expected[0])
     np.testing.assert_allclose(grads.bias, expected[1])
     assert grads.activation is None and grads.depth is None
@@ -301,9 +297,7 @@ def test_filter_false_uses_jax_grad():
     # jax.grad refuses the non-array leaves that filter=True skips.
     loose = _MLP(model.weight, model.bias, jax.nn.relu, 2)
     with pytest.raises(TypeError):
-        dynamic_scale_grad(_mlp_loss, filter=False)(
-            loose, jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState()
-        )
+        dynamic_scale_grad(_mlp_loss, filter=False)(loose, jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState())
 
 
 def test_kwargs_are_forwarded_to_the_grad_transform():
@@ -479,4 +473,3 @@ def test_bad_arguments_fail_before_tracing(kwargs, error, match):
 def test_non_callable_fun_is_rejected():
     with pytest.raises(TypeError, match="function to differentiate"):
         dynamic_scale_grad(3.0)
-

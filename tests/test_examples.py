@@ -151,8 +151,15 @@ def test_markdown_sections_are_replaced_by_label(tmp_path):
         return {
             "label": label,
             "machine": dict(
-                backend="cpu", device="cpu", device_count=1, cpu="x", cpu_count=2,
-                jax="0", jaxlib="0", python="3", date="today",
+                backend="cpu",
+                device="cpu",
+                device_count=1,
+                cpu="x",
+                cpu_count=2,
+                jax="0",
+                jaxlib="0",
+                python="3",
+                date="today",
             ),  # fmt: skip
             "elapsed_s": 1.0,
             "command": "python -m benchmarks.run",

@@ -227,9 +227,7 @@ BURSTS = {
         30,
     ),
     "GradScaler": (_grad_scaler_trainer, lambda: jaxamp.GradScaler(), 1.0, 200),
-    "DynamicLossScale": (
-        _jmp_trainer, lambda: jaxamp.DynamicLossScale(jnp.float32(2**15)), 1.0, 200
-    ),
+    "DynamicLossScale": (_jmp_trainer, lambda: jaxamp.DynamicLossScale(jnp.float32(2**15)), 1.0, 200),
 }
 
 
@@ -257,9 +255,7 @@ def _tiny_loss(params, x, y):
 
 
 GROWTHS = {
-    "DynamicScalerState": (
-        _jaxamp_trainer, lambda: jaxamp.DynamicScalerState(scaler=2.0**20, patience=0), 2.0**24
-    ),
+    "DynamicScalerState": (_jaxamp_trainer, lambda: jaxamp.DynamicScalerState(scaler=2.0**20, patience=0), 2.0**24),
     "DynamicScalerState-max-f32": (
         _jaxamp_trainer,
         lambda: jaxamp.DynamicScalerState(scaler=2.0**120, patience=1, max_scaler=F32_MAX),
@@ -275,9 +271,7 @@ GROWTHS = {
         lambda: jaxamp.GradScaler(init_scale=2.0**120, growth_interval=2, max_scale=F32_MAX),
         2.0**127,
     ),
-    "DynamicLossScale": (
-        _jmp_trainer, lambda: jaxamp.DynamicLossScale(jnp.float32(2.0**120), period=1), 2.0**127
-    ),
+    "DynamicLossScale": (_jmp_trainer, lambda: jaxamp.DynamicLossScale(jnp.float32(2.0**120), period=1), 2.0**127),
 }
 
 
@@ -394,9 +388,7 @@ def _tiny_flagged(w, bad):
 
 @jax.jit
 def _jaxamp_update(state, bad):
-    state, _ = jaxamp.dynamic_scale_grad(_tiny_flagged, filter=False)(
-        jnp.ones(2), bad, dynamic_scaler_state=state
-    )
+    state, _ = jaxamp.dynamic_scale_grad(_tiny_flagged, filter=False)(jnp.ones(2), bad, dynamic_scaler_state=state)
     return state
 
 
@@ -418,12 +410,8 @@ def _jmp_update(loss_scale, bad):
 @example(steps=[True] * 30)  # up to the maximum and held there
 @example(steps=[False] * 6 + [True] * 4)  # down to the minimum and back up
 def test_the_three_scalers_follow_the_same_rule(steps):
-    jaxamp_state = jaxamp.DynamicScalerState(
-        patience=2, scaler=8.0, min_scaler=SHARED["min"], max_scaler=SHARED["max"]
-    )
-    grad_scaler = jaxamp.GradScaler(
-        init_scale=8.0, growth_interval=3, min_scale=SHARED["min"], max_scale=SHARED["max"]
-    )
+    jaxamp_state = jaxamp.DynamicScalerState(patience=2, scaler=8.0, min_scaler=SHARED["min"], max_scaler=SHARED["max"])
+    grad_scaler = jaxamp.GradScaler(init_scale=8.0, growth_interval=3, min_scale=SHARED["min"], max_scale=SHARED["max"])
     jmp_scale = jaxamp.DynamicLossScale(jnp.float32(8.0), period=3, factor=2)
     bounded = unbounded = (np.float32(8.0), 0)
     for finite in steps:

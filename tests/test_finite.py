@@ -66,9 +66,7 @@ def test_is_inexact_leaf():
 def test_select_tree_picks_a_or_b():
     a = {"x": jnp.ones(2), "y": jnp.array(1, jnp.int32)}
     b = {"x": jnp.zeros(2), "y": jnp.array(2, jnp.int32)}
-    assert jax.tree_util.tree_all(
-        jax.tree_util.tree_map(jnp.array_equal, jaxamp.select_tree(jnp.bool_(True), a, b), a)
-    )
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(jnp.array_equal, jaxamp.select_tree(jnp.bool_(True), a, b), a))
     picked = jax.jit(jaxamp.select_tree)(jnp.bool_(False), a, b)
     np.testing.assert_array_equal(picked["x"], b["x"])
     assert int(picked["y"]) == 2

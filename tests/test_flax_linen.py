@@ -64,9 +64,7 @@ def args():
 
 
 def loss_fn(params, batch_stats, x, y):
-    out, updates = MODEL.apply(
-        {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
-    )
+    out, updates = MODEL.apply({"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"])
     return jnp.mean((out - y) ** 2), updates["batch_stats"]
 
 
@@ -103,7 +101,5 @@ def test_train_step_matches_float32(args):
     initial = jax.tree.leaves(args[1])
     assert all(not np.allclose(new, old) for new, old in zip(jax.tree.leaves(stats), initial))
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
-    flat, want = (
-        jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (grads, want_grads)
-    )
+    flat, want = (jnp.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (grads, want_grads))
     assert float(jnp.linalg.norm(flat - want) / jnp.linalg.norm(want)) < 0.15

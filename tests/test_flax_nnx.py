@@ -87,9 +87,7 @@ def test_import_and_amp_do_not_import_flax():
         "jaxamp.amp(lambda w, x: x @ w)(jnp.eye(2), jnp.ones((1, 2)))\n"
         "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -144,9 +142,7 @@ def test_value_and_grad_inside_nnx_jit_matches_float32():
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale)
     assert_same_state_as_plain(model, plain)
-    np.testing.assert_allclose(
-        model.linear1.kernel[...], plain.linear1.kernel[...], rtol=RTOL, atol=1e-3
-    )
+    np.testing.assert_allclose(model.linear1.kernel[...], plain.linear1.kernel[...], rtol=RTOL, atol=1e-3)
 
 
 def test_value_and_grad_matmuls_are_bf16_forward_and_backward():
@@ -278,9 +274,7 @@ def test_nnx_scan_and_remat_inside_amp():
 
     blocks = make_blocks(jax.random.split(jax.random.PRNGKey(0), 3))
     plain = nnx.clone(blocks)
-    np.testing.assert_allclose(
-        jaxamp.amp(scanned_loss, **BF16)(blocks, X), scanned_loss(plain, X), rtol=RTOL
-    )
+    np.testing.assert_allclose(jaxamp.amp(scanned_loss, **BF16)(blocks, X), scanned_loss(plain, X), rtol=RTOL)
     assert blocks.bn.mean[...].shape == (3, 8)
     assert_close_stats(blocks, plain)
     jaxpr = jax.make_jaxpr(nnx.grad(jaxamp.amp(scanned_loss, **BF16)))(blocks, X)

@@ -114,11 +114,17 @@ def transformer_scan():
 
     def init_block(key):
         k = jax.random.split(key, 4)
-        return {"qkv": dense(k[0], D, 3 * D), "proj": dense(k[1], D, D),
-                "up": dense(k[2], D, 4 * D), "down": dense(k[3], 4 * D, D)}
+        return {
+            "qkv": dense(k[0], D, 3 * D),
+            "proj": dense(k[1], D, D),
+            "up": dense(k[2], D, 4 * D),
+            "down": dense(k[3], 4 * D, D),
+        }
 
-    params = {"blocks": jax.vmap(init_block)(jax.random.split(KEYS[4], LAYERS)),
-              "embed": jax.random.normal(KEYS[5], (VOCAB, D))}
+    params = {
+        "blocks": jax.vmap(init_block)(jax.random.split(KEYS[4], LAYERS)),
+        "embed": jax.random.normal(KEYS[5], (VOCAB, D)),
+    }
     tokens = jax.random.randint(KEYS[6], (T,), 0, VOCAB)
 
     def loss(params, tokens):
@@ -359,18 +365,20 @@ def test_small_matmuls_stay_bf16_and_explain_says_why():
     bf16 = np.dtype(jnp.bfloat16)
     int32 = np.dtype(jnp.int32)
     jaxpr = jax.make_jaxpr(amp(f, compute_dtype=EVERY))(P, X)
-    operands = [tuple(v.aval.dtype for v in e.invars)
-                for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    operands = [tuple(v.aval.dtype for v in e.invars) for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert operands == [(bf16, bf16), (int32, int32), (E4M3, E4M3), (E4M3, E4M3)]
     report = jaxamp.explain(f, compute_dtype=EVERY)(P, X)
     kept = {r.detail for r in report.kept_out_of_fp8}
-    assert kept == {"kept bf16: contraction size 8 < min_contraction 16",
-                    "kept bf16: int32 x int32 operands (float8 takes float32, bfloat16 or float16)"}
+    assert kept == {
+        "kept bf16: contraction size 8 < min_contraction 16",
+        "kept bf16: int32 x int32 operands (float8 takes float32, bfloat16 or float16)",
+    }
     total, fp8 = report.total_matmul_flops, sum(r.flops for r in report.rows if r.float8)
     assert report.fp8_flop_fraction == pytest.approx(fp8 / total) and 0.5 < report.fp8_flop_fraction < 1
     fp8_rows = [r for r in report.rows if r.float8]
     assert [r.detail for r in fp8_rows] == [
-        "float8 e4m3 x e4m3 -> f32; backward e5m2 x e4m3 -> f32; scaling: current"] * 2
+        "float8 e4m3 x e4m3 -> f32; backward e5m2 x e4m3 -> f32; scaling: current"
+    ] * 2
     text = str(report)
     assert "float8 (current scaling)" in text and "contraction size 8 < min_contraction 16" in text
     assert report.to_dict()["fp8_flop_fraction"] == report.fp8_flop_fraction
@@ -394,8 +402,10 @@ def test_pallas_kernel_matmuls_are_listed_and_not_taken_for_the_last_matmul():
     report = jaxamp.explain(f, compute_dtype=dataclasses.replace(EVERY, keep_last_matmul_bf16=True))(P, X)
     assert [(r.primitive, r.detail) for r in report.kept_out_of_fp8] == [
         ("dot_general", "kept bf16: the program's last matmul (keep_last_matmul_bf16)"),
-        ("pallas_call", "not float8: 1 matmul(s) inside a pallas_call body, which amp does not "
-                        "rewrite (it runs as written)"),
+        (
+            "pallas_call",
+            "not float8: 1 matmul(s) inside a pallas_call body, which amp does not rewrite (it runs as written)",
+        ),
     ]
 
 
@@ -411,7 +421,8 @@ def test_keep_last_matmul_bf16_inside_a_jitted_function():
     assert _formats(f, P, X, compute_dtype=EVERY) == [(E4M3, E4M3), (E4M3, E4M3)]
     report = jaxamp.explain(f, compute_dtype=recipe)(P, X)
     assert [(r.scope, r.detail) for r in report.kept_out_of_fp8] == [
-        ("head", "kept bf16: the program's last matmul (keep_last_matmul_bf16)")]
+        ("head", "kept bf16: the program's last matmul (keep_last_matmul_bf16)")
+    ]
     # The same jit'd function in another program, where it is not last: amp's
     # cache of rewritten bodies does not carry the first program's choice over.
     g = lambda p, x: jax.jit(_two_layers)(p, x) + jnp.sum(x @ p["w"])  # noqa: E731
@@ -433,8 +444,11 @@ def test_everything_but_matmuls_follows_bf16_mode():
 
     def dtypes(mode):
         jaxpr = jax.make_jaxpr(amp(f, compute_dtype=mode))(P, X)
-        return [(e.primitive.name, tuple(v.aval.dtype for v in e.invars)) for e in iter_eqns(jaxpr)
-                if e.primitive.name in ("tanh", "exp", "reduce_sum")]
+        return [
+            (e.primitive.name, tuple(v.aval.dtype for v in e.invars))
+            for e in iter_eqns(jaxpr)
+            if e.primitive.name in ("tanh", "exp", "reduce_sum")
+        ]
 
     assert dtypes("fp8") == dtypes("bf16")
 

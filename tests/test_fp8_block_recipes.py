@@ -188,8 +188,12 @@ def test_an_outlier_spoils_only_its_own_block():
 
 def test_sizes_the_block_does_not_divide_run_tensorwise_and_say_why():
     x, w = jnp.ones((8, 48)), jnp.ones((48, 64))
-    notes = str(jaxamp.explain(lambda a, b: a @ b, compute_dtype=jaxamp.Fp8Recipe(
-        scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1))(x, w))
+    notes = str(
+        jaxamp.explain(
+            lambda a, b: a @ b,
+            compute_dtype=jaxamp.Fp8Recipe(scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1),
+        )(x, w)
+    )
     assert "(mxfp8: rows 8 is not a multiple of the block size 32)" in notes or "contraction 48" in notes, notes
 
 
@@ -199,8 +203,11 @@ def test_a_matmul_a_recipe_cannot_take_warns_once_and_says_why(monkeypatch):
     monkeypatch.setattr(_interpreter, "_warned", set())
     recipe = jaxamp.Fp8Recipe(scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1)
     x, w = jnp.ones((8, 48)), jnp.ones((48, 64))
-    with pytest.warns(UserWarning, match=r"scaling='mxfp8'\) runs a dot_general with per-tensor scales instead: "
-                      r"\w+ \d+ is not a multiple of the block size 32"):
+    with pytest.warns(
+        UserWarning,
+        match=r"scaling='mxfp8'\) runs a dot_general with per-tensor scales instead: "
+        r"\w+ \d+ is not a multiple of the block size 32",
+    ):
         jax.grad(lambda w: jnp.sum(jaxamp.amp(lambda a, b: a @ b, compute_dtype=recipe)(x, w)))(w)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once

@@ -148,8 +148,9 @@ def test_grouped_gradients_equal_float32_on_exact_values():
         return jnp.sum(lax.ragged_dot(lhs, rhs, sizes) * weights)
 
     recipe = Fp8Recipe(grouped=True, keep_last_matmul_bf16=False)
-    for got, want in zip(jax.jit(jax.grad(jaxamp.amp(loss, compute_dtype=recipe), (0, 1)))(lhs, rhs),
-                         jax.grad(loss, (0, 1))(lhs, rhs)):
+    for got, want in zip(
+        jax.jit(jax.grad(jaxamp.amp(loss, compute_dtype=recipe), (0, 1)))(lhs, rhs), jax.grad(loss, (0, 1))(lhs, rhs)
+    ):
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
 

@@ -234,9 +234,7 @@ def test_micro_batches_combine_by_max():
     _, observed = accumulated(params, state, xs, jnp.stack([c[:8], c[8:]]))
     separate = [jax.jit(grad)(params, state, xs[i], c[i * 8 : i * 8 + 8])[1] for i in range(2)]
     for name, history in observed.histories.items():
-        np.testing.assert_array_equal(
-            history, np.maximum(separate[0].histories[name], separate[1].histories[name])
-        )
+        np.testing.assert_array_equal(history, np.maximum(separate[0].histories[name], separate[1].histories[name]))
     assert observed.histories["dot_general"][0, 0] == separate[1].histories["dot_general"][0, 0]
 
 
@@ -305,6 +303,7 @@ def _per_device_observations(how, loss, params, state, x, c, mesh):
 
     if how == "pmap":
         split = [a.reshape(4, -1, *a.shape[1:]) for a in (x, c)]
+
         def one_device(p, s, x, c):
             return jax.tree.map(lambda o: o[0], observe(p, s, x, c))
 
@@ -491,8 +490,12 @@ def test_errors_name_the_fix():
         state.update(other)
     with pytest.raises(TypeError, match="takes an Fp8State"):
         state.combine({"dot_general": 1.0})
-    for bad, kind in ((dict(amax_history_length=0), ValueError), (dict(margin=-1), ValueError),
-                      (dict(amax_compute_algo="mean"), ValueError), (dict(amax_history_length=2.0), TypeError)):
+    for bad, kind in (
+        (dict(amax_history_length=0), ValueError),
+        (dict(margin=-1), ValueError),
+        (dict(amax_compute_algo="mean"), ValueError),
+        (dict(amax_history_length=2.0), TypeError),
+    ):
         with pytest.raises(kind, match="Fp8Recipe"):
             jaxamp.Fp8Recipe(scaling="delayed", **bad)
 
@@ -542,7 +545,8 @@ def test_each_branch_of_a_cond_has_its_own_history():
     # The false branch doubles x: its lhs amax is twice the true branch's.
     np.testing.assert_allclose(
         grad(params, state, False)[1].histories["dot_general"][0, 0],
-        2 * grad(params, state, True)[1].histories["dot_general#2"][0, 0], rtol=1e-6,
+        2 * grad(params, state, True)[1].histories["dot_general#2"][0, 0],
+        rtol=1e-6,
     )
 
 

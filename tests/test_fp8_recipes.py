@@ -68,7 +68,9 @@ def test_rowwise_gradients_equal_float32_on_exact_values(name, scaling):
         return jnp.sum(lax.dot_general(lhs, rhs, dims) * weights)
 
     grad = jax.grad(jaxamp.amp(loss, compute_dtype=_recipe(scaling)), (0, 1))
-    found = [tuple(sorted(np.dtype(d).name for d in dts)) for _, dts in matmul_operand_dtypes(jax.make_jaxpr(grad)(lhs, rhs))]
+    found = [
+        tuple(sorted(np.dtype(d).name for d in dts)) for _, dts in matmul_operand_dtypes(jax.make_jaxpr(grad)(lhs, rhs))
+    ]
     assert found[0] == ("float8_e4m3fn", "float8_e4m3fn")  # forward
     mixed = ("float8_e4m3fn", "float8_e5m2")
     assert sorted(found[1:]) == ([mixed] * 2 if scaling == "rowwise" else sorted([mixed, ("bfloat16", "bfloat16")]))
@@ -122,9 +124,12 @@ def test_explain_names_the_recipe():
 @pytest.mark.parametrize(
     "fields, error, match",
     [
-        ({"scaling": "current"}, ValueError,
-         r"Fp8Recipe.scaling must be one of \('tensorwise', 'rowwise', 'rowwise_with_gw_hp', 'mxfp8', 'blockwise', "
-         r"'delayed'\), got 'current'"),
+        (
+            {"scaling": "current"},
+            ValueError,
+            r"Fp8Recipe.scaling must be one of \('tensorwise', 'rowwise', 'rowwise_with_gw_hp', 'mxfp8', 'blockwise', "
+            r"'delayed'\), got 'current'",
+        ),
         ({"power_of_two_scales": "yes"}, TypeError, r"power_of_two_scales must be a bool or None, got 'yes' \(str\)"),
     ],
 )

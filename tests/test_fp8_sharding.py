@@ -153,8 +153,14 @@ def _powers_of_two(rng, *shape):
 PER_SHARD_CASES = {
     # name: (function, [(shape, spec) of x, w, c]); the loss is sum(f(x, w) * c).
     "data parallel": ("bd,dh->bh", [((8, 16), P("data")), ((16, 32), P()), ((8, 32), P("data"))]),
-    "batch and sequence": ("bsd,dh->bsh", [((4, 8, 16), P("data", "model")), ((16, 32), P()), ((4, 8, 32), P("data", "model"))]),
-    "column parallel": ("bd,dh->bh", [((8, 16), P("data")), ((16, 32), P(None, "model")), ((8, 32), P("data", "model"))]),
+    "batch and sequence": (
+        "bsd,dh->bsh",
+        [((4, 8, 16), P("data", "model")), ((16, 32), P()), ((4, 8, 32), P("data", "model"))],
+    ),
+    "column parallel": (
+        "bd,dh->bh",
+        [((8, 16), P("data")), ((16, 32), P(None, "model")), ((8, 32), P("data", "model"))],
+    ),
     "transposed weight": ("bd,hd->bh", [((8, 16), P("data")), ((32, 16), P("model")), ((8, 32), P("data", "model"))]),
     "row parallel": ("bd,dh->bh", [((8, 16), P("data", "model")), ((16, 32), P("model")), ((8, 32), P("data"))]),
     "fsdp weight": ("bd,dh->bh", [((8, 16), P("data")), ((16, 32), P("data")), ((8, 32), P("data"))]),

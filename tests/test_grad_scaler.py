@@ -103,9 +103,7 @@ def test_update_with_new_scale_sets_it_and_keeps_the_tracker(new_scale):
     assert scaler.get_scale() == 256.0 and scaler.state_dict()["_growth_tracker"] == 1
 
 
-@pytest.mark.parametrize(
-    "new_scale, error", [(-1.0, ValueError), (True, TypeError), (jnp.array([2.0]), ValueError)]
-)
+@pytest.mark.parametrize("new_scale, error", [(-1.0, ValueError), (True, TypeError), (jnp.array([2.0]), ValueError)])
 def test_update_rejects_a_bad_new_scale(new_scale, error):
     with pytest.raises(error, match="new_scale"):
         GradScaler().update(new_scale)
@@ -199,8 +197,12 @@ def test_growth_stops_at_max_scale():
 
 def test_custom_bounds_and_non_power_of_two_factors():
     scaler = GradScaler(
-        init_scale=10.0, growth_factor=3.0, backoff_factor=0.3, growth_interval=1,
-        min_scale=2.0, max_scale=50.0,
+        init_scale=10.0,
+        growth_factor=3.0,
+        backoff_factor=0.3,
+        growth_interval=1,
+        min_scale=2.0,
+        max_scale=50.0,
     )
     params, opt_state = _params(), SGD.init(_params())
     seen = []

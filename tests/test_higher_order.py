@@ -194,10 +194,14 @@ def test_custom_vjp_under_jit_vmap_and_value_and_grad():
     assert per_example.shape == (4, 8, 8) and per_example.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("make_mesh", [
-    lambda: jax.make_mesh((8,), ("d",)),
-    lambda: Mesh(np.array(jax.devices()), ("d",)),
-], ids=["make_mesh", "Mesh"])
+@pytest.mark.parametrize(
+    "make_mesh",
+    [
+        lambda: jax.make_mesh((8,), ("d",)),
+        lambda: Mesh(np.array(jax.devices()), ("d",)),
+    ],
+    ids=["make_mesh", "Mesh"],
+)
 def test_shard_map_body_in_compute_dtype_with_collectives_untouched(make_mesh):
     mesh = make_mesh()
 
@@ -272,8 +276,9 @@ def _raising_rule(compute_dtype, original_dtypes, *invars, **params):
     "wrap",
     [
         pytest.param(jax.jit, id="jit"),
-        pytest.param(lambda f: lambda w, x: jax.lax.scan(lambda c, _: (f(w, c), None), x, None, length=2)[0],
-                     id="scan"),
+        pytest.param(
+            lambda f: lambda w, x: jax.lax.scan(lambda c, _: (f(w, c), None), x, None, length=2)[0], id="scan"
+        ),
         pytest.param(jax.checkpoint, id="remat"),
     ],
 )
@@ -372,6 +377,6 @@ def test_rewritten_equations_keep_the_users_source_lines():
         jaxpr = jax.make_jaxpr(fn)(W, X)
         dots = _eqns(jaxpr, "dot_general")
         frames = [_compat.eqn_user_frame(e) for e in dots]
-        assert dots and all(
-            fr is not None and fr.file_name == __file__ and fr.start_line == line for fr in frames
-        ), [_compat.frame_line(fr) for fr in frames]
+        assert dots and all(fr is not None and fr.file_name == __file__ and fr.start_line == line for fr in frames), [
+            _compat.frame_line(fr) for fr in frames
+        ]

@@ -67,7 +67,11 @@ def _run(script: str, devices: int = 1) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     out = subprocess.run(
         [sys.executable, "-c", _SNAPSHOT + textwrap.dedent(script)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -85,7 +89,8 @@ def _other_modules() -> list[str]:
 def _import_jaxamp_and(then: str) -> dict:
     """What importing jaxamp, and then running `then`, changed in the tables: ``{table: [keys]}``."""
     modules = _other_modules()
-    return _run(f"""
+    return _run(
+        f"""
         for name in {modules!r}:
             importlib.import_module(name)
         before = snapshot()
@@ -94,7 +99,9 @@ def _import_jaxamp_and(then: str) -> dict:
         {then}
         print(json.dumps({{"import": changed(before, imported), "then": changed(imported, snapshot()),
                           "known": known(imported)}}))
-    """, devices=4)
+    """,
+        devices=4,
+    )
 
 
 def test_importing_jaxamp_leaves_jaxs_tables_as_they_were():

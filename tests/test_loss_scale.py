@@ -23,9 +23,7 @@ def _jmp_reference(scale, counter, finite, period, factor, min_loss_scale):
     return np.float32(max(min_loss_scale, scale / factor)), 0
 
 
-@pytest.mark.parametrize(
-    "period, factor, min_loss_scale", [(3, 2, 1.0), (5, 3, 0.25), (2, 2.0, 0.0)]
-)
+@pytest.mark.parametrize("period, factor, min_loss_scale", [(3, 2, 1.0), (5, 3, 0.25), (2, 2.0, 0.0)])
 def test_dynamic_loss_scale_matches_jmp_semantics(period, factor, min_loss_scale):
     kwargs = dict(period=period, factor=factor, min_loss_scale=jnp.float32(min_loss_scale))
     ours = jaxamp.DynamicLossScale(jnp.float32(2**4), jnp.int32(0), **kwargs)

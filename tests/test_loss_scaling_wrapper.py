@@ -44,8 +44,12 @@ def _scaler_fields(state):
 @functools.cache
 def _steppers(patience, adjust_factor, min_scaler, max_scaler):
     wrapper = jaxamp.loss_scaling(
-        optax.sgd(0.1), scaler=8.0, patience=patience, adjust_factor=adjust_factor,
-        min_scaler=min_scaler, max_scaler=max_scaler,
+        optax.sgd(0.1),
+        scaler=8.0,
+        patience=patience,
+        adjust_factor=adjust_factor,
+        min_scaler=min_scaler,
+        max_scaler=max_scaler,
     )
 
     @jax.jit
@@ -256,8 +260,10 @@ def test_under_pmap_a_nan_on_one_replica_skips_the_step_on_every_replica():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1), axis_name="batch")
     params = _params()
     state = optimizer.init(params)
+
     def replicate(tree):
         return jax.tree_util.tree_map(lambda x: jnp.stack([x] * N), tree)
+
     grads = replicate(_grads())
     grads["b"] = grads["b"].at[2].set(jnp.nan)  # replica 2 alone overflowed
 
@@ -274,8 +280,10 @@ def test_under_pmap_a_nan_on_one_replica_skips_the_step_on_every_replica():
 def test_under_pmap_without_axis_name_the_update_asks_for_it():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
     params = _params()
+
     def replicate(tree):
         return jax.tree_util.tree_map(lambda x: jnp.stack([x] * N), tree)
+
     step = jax.pmap(lambda g, s, p: optimizer.update(g, s, p), axis_name="batch")
     with pytest.raises(ValueError, match=r"jaxamp.loss_scaling runs per device.*Pass axis_name='batch'"):
         step(replicate(_grads()), replicate(optimizer.init(params)), replicate(params))

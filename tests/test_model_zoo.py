@@ -5,7 +5,6 @@ amp'd loss and of its gradient has compute-dtype operands; the loss is within
 bf16 tolerance of float32; all gradients are float32.
 """
 
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -72,8 +71,12 @@ def _gelu_jvp(primals, tangents):
 
 def _init_block(key):
     k = jax.random.split(key, 4)
-    return {"qkv": _dense(k[0], D, 3 * D), "proj": _dense(k[1], D, D),
-            "up": _dense(k[2], D, 4 * D), "down": _dense(k[3], 4 * D, D)}
+    return {
+        "qkv": _dense(k[0], D, 3 * D),
+        "proj": _dense(k[1], D, D),
+        "up": _dense(k[2], D, 4 * D),
+        "down": _dense(k[3], 4 * D, D),
+    }
 
 
 @jax.jit  # a jit'd sub-layer
@@ -106,8 +109,7 @@ def cond_and_while_bodies():
 
     def loss(params, x):
         def body(i, h):
-            return jax.lax.cond(i % 2 == 0, lambda h: jnp.tanh(h @ params["a"]),
-                                lambda h: jnp.tanh(h @ params["b"]), h)
+            return jax.lax.cond(i % 2 == 0, lambda h: jnp.tanh(h @ params["a"]), lambda h: jnp.tanh(h @ params["b"]), h)
 
         h = jax.lax.fori_loop(0, 4, body, x)  # static bounds: a scan
         # while_loop is forward-only: keep it off the differentiated path.
@@ -131,8 +133,11 @@ def equinox_cnn():
 
 def equinox_attention():
     k = jax.random.split(KEYS[0], 3)
-    model = {"mha": eqx.nn.MultiheadAttention(HEADS, D, key=k[0]), "ln": eqx.nn.LayerNorm(D),
-             "out": eqx.nn.Linear(D, 1, key=k[1])}
+    model = {
+        "mha": eqx.nn.MultiheadAttention(HEADS, D, key=k[0]),
+        "ln": eqx.nn.LayerNorm(D),
+        "out": eqx.nn.Linear(D, 1, key=k[1]),
+    }
     x = jax.random.normal(k[2], (T, D))
 
     def loss(model, x):

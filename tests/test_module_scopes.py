@@ -55,9 +55,9 @@ def _matmul_scopes(report):
 
 def test_nnx_module_paths_become_scopes():
     report = jaxamp.explain(_loss, compute_dtype="bf16")(Model(nnx.Rngs(0)), X)
-    assert _matmul_scopes(report) == [
-        f"Model/blocks.{i}/{layer}" for i in range(3) for layer in ("attn", "mlp")
-    ] + ["Model/head"]
+    assert _matmul_scopes(report) == [f"Model/blocks.{i}/{layer}" for i in range(3) for layer in ("attn", "mlp")] + [
+        "Model/head"
+    ]
     norm_rows = [row for row in report.rows if row.scope == "Model/blocks.1/norm"]
     assert {row.decided_by for row in norm_rows} >= {"statistics"}
 
@@ -145,9 +145,7 @@ def test_linen_module_names_are_scopes_and_fold():
         return jnp.mean(model.apply(params, x) ** 2)
 
     report = jaxamp.explain(loss, compute_dtype="bf16")(params, X)
-    assert _matmul_scopes(report) == [f"LinenModel/LinenBlock_{i}/Dense_0" for i in range(3)] + [
-        "LinenModel/Dense_0"
-    ]
+    assert _matmul_scopes(report) == [f"LinenModel/LinenBlock_{i}/Dense_0" for i in range(3)] + ["LinenModel/Dense_0"]
     folded = report.table().splitlines()
     dense = [line.split()[1:3] for line in folded if line.startswith("LinenModel/LinenBlock_*/Dense_* ")]
     assert ["dot_general", "3"] in dense

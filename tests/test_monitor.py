@@ -97,9 +97,7 @@ def test_monitored_outputs_equal_the_unmonitored_and_the_lowered_program_is_unto
     plain = jax.jit(jax.value_and_grad(jaxamp.amp(two_layers, compute_dtype="bf16")))
     before = plain.lower(params, x).as_text()
     unmonitored = plain(params, x)
-    monitored, _ = jax.jit(jaxamp.monitor(jax.value_and_grad(jaxamp.amp(two_layers, compute_dtype="bf16"))))(
-        params, x
-    )
+    monitored, _ = jax.jit(jaxamp.monitor(jax.value_and_grad(jaxamp.amp(two_layers, compute_dtype="bf16"))))(params, x)
     for a, b in zip(jax.tree.leaves(unmonitored), jax.tree.leaves(monitored)):
         np.testing.assert_array_equal(a, b)
     assert plain.lower(params, x).as_text() == before

@@ -34,8 +34,17 @@ def _run(tmp_path, name, num_processes, options):
     for process_id in range(num_processes):
         out = tmp_path / f"{name}-{process_id}.npz"
         cmd = [
-            sys.executable, str(WORKER), "--num-processes", str(num_processes),
-            "--process-id", str(process_id), "--port", str(port), "--out", str(out), *options,
+            sys.executable,
+            str(WORKER),
+            "--num-processes",
+            str(num_processes),
+            "--process-id",
+            str(process_id),
+            "--port",
+            str(port),
+            "--out",
+            str(out),
+            *options,
         ]
         procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
     results = []

@@ -180,9 +180,7 @@ def _found_norm(kind):
     if kind == "haiku.LayerNorm":
         import haiku as hk
 
-        norm = hk.without_apply_rng(
-            hk.transform(lambda h: hk.LayerNorm(-1, create_scale=True, create_offset=True)(h))
-        )
+        norm = hk.without_apply_rng(hk.transform(lambda h: hk.LayerNorm(-1, create_scale=True, create_offset=True)(h)))
         return norm.apply, norm.init(jax.random.PRNGKey(5), h)
     if kind == "jax.nn.standardize":
         return (lambda params, h: jax.nn.standardize(h, axis=-1) * params), jnp.ones(WIDTH)

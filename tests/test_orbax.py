@@ -80,8 +80,9 @@ def test_orbax_round_trips_every_state(tmp_path, name):
 def test_orbax_restored_grad_scaler_keeps_its_saved_settings(tmp_path):
     # The target is built with the defaults (growth interval 2000, ...): the
     # saved settings win, as torch's GradScaler.load_state_dict makes them.
-    saved = jaxamp.GradScaler(init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3,
-                              min_scale=2.0, max_scale=2.0**10)
+    saved = jaxamp.GradScaler(
+        init_scale=8.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3, min_scale=2.0, max_scale=2.0**10
+    )
     restored = _save_and_restore(tmp_path, saved, target=jaxamp.GradScaler())
     assert restored.state_dict() == saved.state_dict()
     assert restored.get_growth_interval() == 3 and restored.get_growth_factor() == 4.0

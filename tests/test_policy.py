@@ -41,9 +41,7 @@ def names_of(dtype):
 # --- grammar ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name, dtype", [(n, d) for d, ns in NAMES.items() for n in ns] + [("half", HALF)]
-)
+@pytest.mark.parametrize("name, dtype", [(n, d) for d, ns in NAMES.items() for n in ns] + [("half", HALF)])
 def test_one_dtype_sets_all_three(name, dtype):
     assert dtypes(get_policy(name)) == (dtype, dtype, dtype)
 
@@ -213,9 +211,7 @@ def assert_cast(before, after, dtype):
     ]:
         assert isinstance(after[key], array_type), key
         assert after[key].dtype == dtype, key
-        np.testing.assert_array_equal(
-            np.asarray(after[key], np.float64), np.asarray(before[key], np.float64)
-        )
+        np.testing.assert_array_equal(np.asarray(after[key], np.float64), np.asarray(before[key], np.float64))
     for key in ("jax_int", "np_bool"):
         assert after[key] is before[key]
     leaves = jax.tree_util.tree_leaves

@@ -132,7 +132,9 @@ def test_a_user_rule_that_raises_raises_on_every_call(data):
     kind, which = data.draw(st.sampled_from(PROGRAMS), label="program")
     fn, args = catalogue_loss(which) if kind == "catalogue" else zoo_loss(which)
     plain = first_order_rows(fn, args, None)
-    ruled = sorted({r.primitive for r in plain if r.decided_by not in ("amp_stop",) and not r.decided_by.startswith("scope:")})
+    ruled = sorted(
+        {r.primitive for r in plain if r.decided_by not in ("amp_stop",) and not r.decided_by.startswith("scope:")}
+    )
     by_name = _compat.primitives_by_name()
     ruled = [n for n in ruled if by_name.get(n) in default_amp_policy]
     name = data.draw(st.sampled_from(ruled), label="primitive")
@@ -206,7 +208,8 @@ def test_an_entry_equal_to_the_default_is_not_the_users():
     # Writing the default rule again leaves amp's inferences in charge.
     table = default_amp_policy | {lax.tanh_p: default_amp_policy[lax.tanh_p]}
     (tanh,) = [
-        r for r in jaxamp.explain(lambda x: jnp.sum(jnp.tanh(x @ x)), amp_policy=table)(jnp.ones((3, 3))).rows
+        r
+        for r in jaxamp.explain(lambda x: jnp.sum(jnp.tanh(x @ x)), amp_policy=table)(jnp.ones((3, 3))).rows
         if r.primitive == "tanh"
     ]
     assert tanh.decided_by == "tail"

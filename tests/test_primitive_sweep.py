@@ -86,7 +86,6 @@ pytestmark = [
 ]
 
 
-
 # Fixed inputs: the same every run, so a pass is not luck of the draw.
 RNG = np.random.default_rng(0)
 SHAPE = (3, 4)
@@ -228,10 +227,7 @@ def runs(c: Case, *, f32_route_dtypes=(F16,)):
     (`f32_route_dtypes`).
     """
     combos = [("half", F16), ("half", BF16)] + [("f32", d) for d in f32_route_dtypes]
-    return [
-        pytest.param(c, dtype, route, id=f"{c.name}-{route}-{SHORT_NAMES[dtype]}")
-        for route, dtype in combos
-    ]
+    return [pytest.param(c, dtype, route, id=f"{c.name}-{route}-{SHORT_NAMES[dtype]}") for route, dtype in combos]
 
 
 def sweep(cases, **kwargs):
@@ -295,8 +291,11 @@ UNARY = [
     # Replacement values a half type can hold: nan_to_num's default,
     # finfo(float32).max, saturates to the half type's largest finite value
     # (see test_amp.py's saturation test).
-    case("isnan_nan_to_num", lambda x: (jnp.isnan(x), jnp.nan_to_num(x, posinf=1e4, neginf=-1e4)),
-         np.array([1.5, np.inf, -np.inf, np.nan], np.float32)),
+    case(
+        "isnan_nan_to_num",
+        lambda x: (jnp.isnan(x), jnp.nan_to_num(x, posinf=1e4, neginf=-1e4)),
+        np.array([1.5, np.inf, -np.inf, np.nan], np.float32),
+    ),
     unary("reduce_precision_f16", lambda x: lax.reduce_precision(x, 5, 10), -3, 3),
     unary("reduce_precision_bf16", lambda x: lax.reduce_precision(x, 8, 7), -3, 3),
     unary("astype_float16", lambda x: x.astype(jnp.float16), -3, 3),
@@ -312,8 +311,7 @@ BINARY = [
     case("sub", lax.sub, uniform(-2, 2), uniform(-2, 2)),
     case("mul", lax.mul, uniform(-2, 2), uniform(-2, 2)),
     case("div", lax.div, uniform(-2, 2), uniform(0.5, 2) * RNG.choice([-1, 1], SHAPE).astype(np.float32)),
-    case("rem", lax.rem, np.array([2.5, -3.75, 5.25, 0.5], np.float32),
-         np.array([1.5, 1.625, 2.0, 0.75], np.float32)),
+    case("rem", lax.rem, np.array([2.5, -3.75, 5.25, 0.5], np.float32), np.array([1.5, 1.625, 2.0, 0.75], np.float32)),
     case("max", lax.max, distinct(), distinct()),
     case("min", lax.min, distinct(), distinct()),
     case("atan2", lax.atan2, uniform(-2, 2), uniform(0.5, 2)),
@@ -326,8 +324,12 @@ BINARY = [
     case("broadcast_scalar_operand", lambda x: x * 3.0 + 1.0, uniform(-2, 2)),
     case("logaddexp_hypot", lambda x, y: (jnp.logaddexp(x, y), jnp.hypot(x, y)), uniform(-2, 2), uniform(0.5, 2)),
     # Queries 1/16 off the grid of sorted points: rounding moves none across one.
-    case("searchsorted_interp", lambda s, q: (jnp.searchsorted(s, q), jnp.interp(q, s, jnp.sin(s))),
-         np.sort(distinct((12,))), distinct() + np.float32(1 / 16)),
+    case(
+        "searchsorted_interp",
+        lambda s, q: (jnp.searchsorted(s, q), jnp.interp(q, s, jnp.sin(s))),
+        np.sort(distinct((12,))),
+        distinct() + np.float32(1 / 16),
+    ),
 ]
 
 # Some pairs equal, the others at least 1/8 apart: rounding cannot flip them.
@@ -337,8 +339,14 @@ _RIGHT = np.where(RNG.random(SHAPE) < 0.4, _LEFT, distinct()).astype(np.float32)
 SELECTION = [
     *(case(f"compare_{op.__name__}", op, _LEFT, _RIGHT) for op in (lax.eq, lax.ne, lax.lt, lax.le, lax.gt, lax.ge)),
     case("select_n_bool", lambda p, a, b: lax.select_n(p, a, b), ints(2).astype(bool), uniform(-2, 2), uniform(-2, 2)),
-    case("select_n_int32", lambda i, a, b, c: lax.select_n(i, a, b, c),
-         ints(3), uniform(-2, 2), uniform(-2, 2), uniform(-2, 2)),
+    case(
+        "select_n_int32",
+        lambda i, a, b, c: lax.select_n(i, a, b, c),
+        ints(3),
+        uniform(-2, 2),
+        uniform(-2, 2),
+        uniform(-2, 2),
+    ),
     case("where_from_compare", lambda x, y: jnp.where(x > 0, x, y), distinct(), uniform(-2, 2)),
     case("clamp_scalar_bounds", lambda x: lax.clamp(np.float32(-0.5), x, np.float32(0.5)), distinct()),
     case("clamp_array_bounds", lax.clamp, uniform(-2, -1), uniform(-3, 3), uniform(1, 2)),
@@ -355,19 +363,38 @@ REDUCTIONS = [
     case("argmax", lambda x: (jnp.argmax(x), jnp.argmax(x, axis=1)), distinct()),
     case("argmin", lambda x: (jnp.argmin(x), jnp.argmin(x, axis=0)), distinct()),
     case("reduce_and_or_of_compare", lambda x: (jnp.all(x > 0, axis=1), jnp.any(x > 1, axis=0)), distinct()),
-    case("reduce_and_or_xor_bools", lambda b: (jnp.all(b, axis=1), jnp.any(b), lax.reduce_xor(b, (0,))),
-         ints(2).astype(bool)),
-    case("mean_var_std", lambda x: (jnp.mean(x, axis=1), jnp.var(x), jnp.std(x, axis=0)),
-         uniform(-2, 2), ulps=ACCUMULATING_ULPS),
-    case("cumsum", lambda x: (lax.cumsum(x, axis=1), lax.cumsum(x, axis=0, reverse=True)),
-         uniform(0, 2), ulps=ACCUMULATING_ULPS),
-    case("cumprod", lambda x: (lax.cumprod(x, axis=1), lax.cumprod(x, axis=0, reverse=True)),
-         uniform(0.8, 1.25), ulps=ACCUMULATING_ULPS),
+    case(
+        "reduce_and_or_xor_bools",
+        lambda b: (jnp.all(b, axis=1), jnp.any(b), lax.reduce_xor(b, (0,))),
+        ints(2).astype(bool),
+    ),
+    case(
+        "mean_var_std",
+        lambda x: (jnp.mean(x, axis=1), jnp.var(x), jnp.std(x, axis=0)),
+        uniform(-2, 2),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "cumsum",
+        lambda x: (lax.cumsum(x, axis=1), lax.cumsum(x, axis=0, reverse=True)),
+        uniform(0, 2),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "cumprod",
+        lambda x: (lax.cumprod(x, axis=1), lax.cumprod(x, axis=0, reverse=True)),
+        uniform(0.8, 1.25),
+        ulps=ACCUMULATING_ULPS,
+    ),
     case("cummax", lambda x: (lax.cummax(x, axis=1), lax.cummax(x, axis=0, reverse=True)), distinct()),
     case("cummin", lambda x: (lax.cummin(x, axis=1), lax.cummin(x, axis=0, reverse=True)), distinct()),
     case("cumlogsumexp", lambda x: lax.cumlogsumexp(x, axis=1), uniform(-2, 2), ulps=ACCUMULATING_ULPS),
-    case("jnp_cumsum_cumprod", lambda x: (jnp.cumsum(x), jnp.cumprod(x, axis=0)),
-         uniform(0.8, 1.25), ulps=ACCUMULATING_ULPS),
+    case(
+        "jnp_cumsum_cumprod",
+        lambda x: (jnp.cumsum(x), jnp.cumprod(x, axis=0)),
+        uniform(0.8, 1.25),
+        ulps=ACCUMULATING_ULPS,
+    ),
 ]
 
 # --- structural ------------------------------------------------------------------------------
@@ -379,14 +406,17 @@ STRUCTURAL = [
     case("squeeze_expand_dims", lambda x: lax.squeeze(lax.expand_dims(x, (0, 2)), (0,)), uniform(-2, 2)),
     case("slice_strided", lambda x: lax.slice(x, (0, 1), (3, 4), (2, 2)), uniform(-2, 2)),
     case("dynamic_slice", lambda x, i: lax.dynamic_slice(x, (i, 1), (2, 2)), uniform(-2, 2), np.int32(1)),
-    case("dynamic_slice_clamped_index", lambda x, i: lax.dynamic_slice(x, (i, i), (2, 2)),
-         uniform(-2, 2), np.int32(7)),
-    case("dynamic_update_slice", lambda x, u, i: lax.dynamic_update_slice(x, u, (i, 0)),
-         uniform(-2, 2), uniform(-2, 2, (1, 4)), np.int32(2)),
+    case("dynamic_slice_clamped_index", lambda x, i: lax.dynamic_slice(x, (i, i), (2, 2)), uniform(-2, 2), np.int32(7)),
+    case(
+        "dynamic_update_slice",
+        lambda x, u, i: lax.dynamic_update_slice(x, u, (i, 0)),
+        uniform(-2, 2),
+        uniform(-2, 2, (1, 4)),
+        np.int32(2),
+    ),
     case("concatenate", lambda x, y: lax.concatenate([x, y, x], 0), uniform(-2, 2), uniform(-2, 2, (2, 4))),
     case("pad_interior_negative", lambda x: lax.pad(x, np.float32(0.5), [(1, 2, 1), (-1, 0, 0)]), uniform(-2, 2)),
-    case("pad_with_traced_value", lambda x, v: lax.pad(x, v, [(1, 1, 0), (0, 2, 1)]),
-         uniform(-2, 2), np.float32(1.5)),
+    case("pad_with_traced_value", lambda x, v: lax.pad(x, v, [(1, 1, 0), (0, 2, 1)]), uniform(-2, 2), np.float32(1.5)),
     case("rev", lambda x: lax.rev(x, (0, 1)), uniform(-2, 2)),
     case("iota", lambda x: x + lax.broadcasted_iota(jnp.float32, x.shape, 1), uniform(-2, 2)),
     case("split", lambda x: jnp.split(x, [1, 3], axis=1), uniform(-2, 2)),
@@ -403,30 +433,49 @@ GATHER_SCATTER = [
     case("gather_rows", lambda x, i: x[i], uniform(-2, 2), _ROWS),
     case("gather_columns", lambda x, i: x[:, i], uniform(-2, 2), _ROWS),
     case("take_along_axis", lambda x, i: jnp.take_along_axis(x, i, axis=1), uniform(-2, 2), ints(4)),
-    case("gather_fill_out_of_bounds", lambda x: x.at[jnp.array([0, 7, 2])].get(mode="fill", fill_value=-1.0),
-         uniform(-2, 2)),
+    case(
+        "gather_fill_out_of_bounds",
+        lambda x: x.at[jnp.array([0, 7, 2])].get(mode="fill", fill_value=-1.0),
+        uniform(-2, 2),
+    ),
     case("scatter_set", lambda x, u: x.at[_UNIQUE_ROWS].set(u), uniform(-2, 2), uniform(-2, 2, (2, 4))),
     case("scatter_add", lambda x, u: x.at[_ROWS].add(u), uniform(-2, 2), uniform(-2, 2, (4, 4))),
     case("scatter_mul", lambda x, u: x.at[_ROWS].multiply(u), uniform(-2, 2), uniform(0.5, 1.5, (4, 4))),
     case("scatter_min", lambda x, u: x.at[_ROWS].min(u), distinct(), distinct((4, 4))),
     case("scatter_max", lambda x, u: x.at[_ROWS].max(u), distinct(), distinct((4, 4))),
-    case("scatter_add_drop_out_of_bounds", lambda x, u: x.at[jnp.array([0, 9])].add(u, mode="drop"),
-         uniform(-2, 2), uniform(-2, 2, (2, 4))),
-    case("lax_scatter_add", lambda x, u: lax.scatter_add(
-        x, _ROWS[:, None], u,
-        lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
-                                    scatter_dims_to_operand_dims=(0,))),
-         uniform(-2, 2), uniform(-2, 2, (4, 4))),
+    case(
+        "scatter_add_drop_out_of_bounds",
+        lambda x, u: x.at[jnp.array([0, 9])].add(u, mode="drop"),
+        uniform(-2, 2),
+        uniform(-2, 2, (2, 4)),
+    ),
+    case(
+        "lax_scatter_add",
+        lambda x, u: lax.scatter_add(
+            x,
+            _ROWS[:, None],
+            u,
+            lax.ScatterDimensionNumbers(
+                update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+            ),
+        ),
+        uniform(-2, 2),
+        uniform(-2, 2, (4, 4)),
+    ),
 ]
 
 # --- sort and top_k ------------------------------------------------------------------------------
 
 SORTING = [
     case("sort", lambda x: (jnp.sort(x, axis=1), jnp.sort(x, axis=0, descending=True)), distinct()),
-    case("sort_multi_operand", lambda k, v, i: lax.sort((k, v, i), num_keys=1),
-         distinct(), uniform(-2, 2), ints(100)),
-    case("sort_two_keys", lambda k1, k2, v: lax.sort((k1, k2, v), num_keys=2),
-         np.floor(distinct()).astype(np.float32), distinct(), uniform(-2, 2)),
+    case("sort_multi_operand", lambda k, v, i: lax.sort((k, v, i), num_keys=1), distinct(), uniform(-2, 2), ints(100)),
+    case(
+        "sort_two_keys",
+        lambda k1, k2, v: lax.sort((k1, k2, v), num_keys=2),
+        np.floor(distinct()).astype(np.float32),
+        distinct(),
+        uniform(-2, 2),
+    ),
     case("argsort", lambda x: jnp.argsort(x, axis=1), distinct()),
     case("top_k", lambda x: lax.top_k(x, 3), distinct()),
     case("approx_max_k", lambda x: lax.approx_max_k(x, 2), distinct()),
@@ -449,11 +498,14 @@ WINDOWS = [
     # Lambdas are not recognised as monoids: these bind the generic
     # reduce_window with the computation as a jaxpr.
     case("reduce_window_generic_add", lambda x: _window(x, 0, lambda a, b: a + b), uniform(-2, 2, _IMAGE)),
-    case("reduce_window_generic_max", lambda x: _window(x, -np.inf, lambda a, b: jnp.maximum(a, b)),
-         distinct(_IMAGE)),
-    case("reduce_window_dilated", lambda x: lax.reduce_window(
-        x, np.float32(0), lax.add, (2, 2), (1, 1), "VALID", base_dilation=(2, 1), window_dilation=(1, 2)),
-         uniform(-2, 2, _IMAGE)),
+    case("reduce_window_generic_max", lambda x: _window(x, -np.inf, lambda a, b: jnp.maximum(a, b)), distinct(_IMAGE)),
+    case(
+        "reduce_window_dilated",
+        lambda x: lax.reduce_window(
+            x, np.float32(0), lax.add, (2, 2), (1, 1), "VALID", base_dilation=(2, 1), window_dilation=(1, 2)
+        ),
+        uniform(-2, 2, _IMAGE),
+    ),
 ]
 
 # --- matmuls and convolutions --------------------------------------------------------------------
@@ -462,35 +514,98 @@ _NWC, _NCHW = ("NWC", "WIO", "NWC"), ("NCHW", "OIHW", "NCHW")
 _GROUPS = np.array([2, 1, 3], np.int32)
 
 MATMULS = [
-    case("matmul_bias", lambda x, w, b: x @ w + b, uniform(-1, 1), uniform(-1, 1, (4, 5)), uniform(-1, 1, (5,)),
-         ulps=ACCUMULATING_ULPS),
-    case("dot_general_batch_dims", lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
-         uniform(-1, 1, (2, 3, 4)), uniform(-1, 1, (2, 4, 5)), ulps=ACCUMULATING_ULPS),
-    case("dot_general_batch_and_contract_first", lambda a, b: lax.dot_general(a, b, (((0,), (1,)), ((2,), (0,)))),
-         uniform(-1, 1, (4, 3, 2)), uniform(-1, 1, (2, 4, 5)), ulps=ACCUMULATING_ULPS),
-    case("dot_preferred_float32", lambda a, b: lax.dot(a, b, preferred_element_type=jnp.float32),
-         uniform(-1, 1), uniform(-1, 1, (4, 2)), ulps=ACCUMULATING_ULPS),
-    case("matvec_and_outer", lambda m, v: (m @ v, jnp.outer(v, v)), uniform(-1, 1), uniform(-1, 1, (4,)),
-         ulps=ACCUMULATING_ULPS),
-    case("conv1d", lambda x, k: lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=_NWC),
-         uniform(-1, 1, (2, 8, 4)), uniform(-0.5, 0.5, (3, 4, 3)), ulps=ACCUMULATING_ULPS),
-    case("conv2d_grouped", lambda x, k: lax.conv_general_dilated(
-        x, k, (1, 1), "SAME", dimension_numbers=_NCHW, feature_group_count=2),
-         uniform(-1, 1, (2, 4, 5, 5)), uniform(-0.5, 0.5, (4, 2, 3, 3)), ulps=ACCUMULATING_ULPS),
-    case("conv2d_strided_dilated", lambda x, k: lax.conv_general_dilated(
-        x, k, (2, 1), ((1, 1), (0, 1)), lhs_dilation=(1, 2), rhs_dilation=(2, 1), dimension_numbers=_NCHW),
-         uniform(-1, 1, (1, 2, 6, 4)), uniform(-0.5, 0.5, (3, 2, 2, 2)), ulps=ACCUMULATING_ULPS),
-    case("conv_transpose1d", lambda x, k: lax.conv_transpose(x, k, (2,), "SAME", dimension_numbers=_NWC),
-         uniform(-1, 1, (2, 5, 4)), uniform(-0.5, 0.5, (3, 4, 3)), ulps=ACCUMULATING_ULPS),
-    case("conv_transpose2d", lambda x, k: lax.conv_transpose(
-        x, k, (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"), transpose_kernel=True),
-         uniform(-1, 1, (1, 3, 3, 2)), uniform(-0.5, 0.5, (2, 2, 4, 2)), ulps=ACCUMULATING_ULPS),
-    case("lax_map_matmul", lambda xs, w: lax.map(lambda x: jnp.tanh(x @ w), xs),
-         uniform(-1, 1), uniform(-1, 1, (4, 4)), ulps=ACCUMULATING_ULPS),
+    case(
+        "matmul_bias",
+        lambda x, w, b: x @ w + b,
+        uniform(-1, 1),
+        uniform(-1, 1, (4, 5)),
+        uniform(-1, 1, (5,)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "dot_general_batch_dims",
+        lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
+        uniform(-1, 1, (2, 3, 4)),
+        uniform(-1, 1, (2, 4, 5)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "dot_general_batch_and_contract_first",
+        lambda a, b: lax.dot_general(a, b, (((0,), (1,)), ((2,), (0,)))),
+        uniform(-1, 1, (4, 3, 2)),
+        uniform(-1, 1, (2, 4, 5)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "dot_preferred_float32",
+        lambda a, b: lax.dot(a, b, preferred_element_type=jnp.float32),
+        uniform(-1, 1),
+        uniform(-1, 1, (4, 2)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "matvec_and_outer",
+        lambda m, v: (m @ v, jnp.outer(v, v)),
+        uniform(-1, 1),
+        uniform(-1, 1, (4,)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "conv1d",
+        lambda x, k: lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=_NWC),
+        uniform(-1, 1, (2, 8, 4)),
+        uniform(-0.5, 0.5, (3, 4, 3)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "conv2d_grouped",
+        lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=_NCHW, feature_group_count=2),
+        uniform(-1, 1, (2, 4, 5, 5)),
+        uniform(-0.5, 0.5, (4, 2, 3, 3)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "conv2d_strided_dilated",
+        lambda x, k: lax.conv_general_dilated(
+            x, k, (2, 1), ((1, 1), (0, 1)), lhs_dilation=(1, 2), rhs_dilation=(2, 1), dimension_numbers=_NCHW
+        ),
+        uniform(-1, 1, (1, 2, 6, 4)),
+        uniform(-0.5, 0.5, (3, 2, 2, 2)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "conv_transpose1d",
+        lambda x, k: lax.conv_transpose(x, k, (2,), "SAME", dimension_numbers=_NWC),
+        uniform(-1, 1, (2, 5, 4)),
+        uniform(-0.5, 0.5, (3, 4, 3)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "conv_transpose2d",
+        lambda x, k: lax.conv_transpose(
+            x, k, (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"), transpose_kernel=True
+        ),
+        uniform(-1, 1, (1, 3, 3, 2)),
+        uniform(-0.5, 0.5, (2, 2, 4, 2)),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    case(
+        "lax_map_matmul",
+        lambda xs, w: lax.map(lambda x: jnp.tanh(x @ w), xs),
+        uniform(-1, 1),
+        uniform(-1, 1, (4, 4)),
+        ulps=ACCUMULATING_ULPS,
+    ),
     case("one_hot_matmul", lambda labels, w: jax.nn.one_hot(labels, 4) @ w, ints(4, (5,)), uniform(-1, 1, (4, 3))),
     # Mixture of experts: rows 0-1 to expert 0, row 2 to expert 1, 3-5 to expert 2.
-    case("ragged_dot", lambda x, w, groups: lax.ragged_dot(x, w, groups),
-         uniform(-1, 1, (6, 4)), uniform(-1, 1, (3, 4, 5)), _GROUPS, ulps=ACCUMULATING_ULPS),
+    case(
+        "ragged_dot",
+        lambda x, w, groups: lax.ragged_dot(x, w, groups),
+        uniform(-1, 1, (6, 4)),
+        uniform(-1, 1, (3, 4, 5)),
+        _GROUPS,
+        ulps=ACCUMULATING_ULPS,
+    ),
 ]
 
 # --- random numbers drawn inside the function -----------------------------------------------------
@@ -502,16 +617,34 @@ _RAW_KEY = jax.random.PRNGKey(1)
 
 RANDOM = [
     case("random_normal", lambda key, x: jax.random.normal(key, x.shape) * x, _KEY, uniform(0.5, 2)),
-    case("random_uniform_split", lambda key, x: x + jax.random.uniform(jax.random.split(key)[1], x.shape),
-         _RAW_KEY, uniform(-2, 2)),
-    case("random_bernoulli", lambda key, x: jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0),
-         _KEY, uniform(-2, 2)),
+    case(
+        "random_uniform_split",
+        lambda key, x: x + jax.random.uniform(jax.random.split(key)[1], x.shape),
+        _RAW_KEY,
+        uniform(-2, 2),
+    ),
+    case(
+        "random_bernoulli",
+        lambda key, x: jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0),
+        _KEY,
+        uniform(-2, 2),
+    ),
     # Logits 3 apart: rounding them moves no sample across a Gumbel tie.
-    case("random_categorical", lambda key, logits: jax.random.categorical(key, logits, shape=(8, 4)),
-         _RAW_KEY, np.array([0.0, 3.0, 6.0, 9.0], np.float32) - 6.0),
-    case("random_truncated_normal_dropout", lambda key, x: (
-        jax.random.truncated_normal(key, -1.0, 1.0, x.shape) + x,
-        x * jax.random.bernoulli(key, 0.8, x.shape) / 0.8), _KEY, uniform(-2, 2)),
+    case(
+        "random_categorical",
+        lambda key, logits: jax.random.categorical(key, logits, shape=(8, 4)),
+        _RAW_KEY,
+        np.array([0.0, 3.0, 6.0, 9.0], np.float32) - 6.0,
+    ),
+    case(
+        "random_truncated_normal_dropout",
+        lambda key, x: (
+            jax.random.truncated_normal(key, -1.0, 1.0, x.shape) + x,
+            x * jax.random.bernoulli(key, 0.8, x.shape) / 0.8,
+        ),
+        _KEY,
+        uniform(-2, 2),
+    ),
 ]
 
 # --- linear algebra and FFT ---------------------------------------------------------------------------
@@ -538,18 +671,37 @@ LINALG = [
     case("eigh", _reconstruct_eigh, _SPD, ulps=ALGORITHM_ULPS),
     case("det", jnp.linalg.det, _SPD, ulps=ALGORITHM_ULPS),
     case("slogdet", lambda a: tuple(jnp.linalg.slogdet(a)), _SPD, ulps=ALGORITHM_ULPS),
-    case("norms", lambda a, v: (jnp.linalg.norm(v), jnp.linalg.norm(a), jnp.linalg.norm(a, 2),
-                                jnp.linalg.norm(a, 1), jnp.linalg.norm(a, np.inf)),
-         _SPD, uniform(-1, 1, (4,)), ulps=ALGORITHM_ULPS),
-    case("solve_triangular", lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True),
-         np.tril(_SPD), uniform(-1, 1, (4, 2)), ulps=ALGORITHM_ULPS),
+    case(
+        "norms",
+        lambda a, v: (
+            jnp.linalg.norm(v),
+            jnp.linalg.norm(a),
+            jnp.linalg.norm(a, 2),
+            jnp.linalg.norm(a, 1),
+            jnp.linalg.norm(a, np.inf),
+        ),
+        _SPD,
+        uniform(-1, 1, (4,)),
+        ulps=ALGORITHM_ULPS,
+    ),
+    case(
+        "solve_triangular",
+        lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True),
+        np.tril(_SPD),
+        uniform(-1, 1, (4, 2)),
+        ulps=ALGORITHM_ULPS,
+    ),
     case("lu_factor", jax.scipy.linalg.lu_factor, _SPD, ulps=ALGORITHM_ULPS),
 ]
 
 FFT = [
     case("fft_of_real", jnp.fft.fft, uniform(-1, 1, (2, 8)), ulps=ALGORITHM_ULPS),
-    case("rfft_irfft", lambda x: (jnp.fft.rfft(x), jnp.fft.irfft(jnp.fft.rfft(x), n=8)),
-         uniform(-1, 1, (2, 8)), ulps=ALGORITHM_ULPS),
+    case(
+        "rfft_irfft",
+        lambda x: (jnp.fft.rfft(x), jnp.fft.irfft(jnp.fft.rfft(x), n=8)),
+        uniform(-1, 1, (2, 8)),
+        ulps=ALGORITHM_ULPS,
+    ),
     case("fft2_abs", lambda x: jnp.abs(jnp.fft.fft2(x)), uniform(-1, 1, (4, 4)), ulps=ALGORITHM_ULPS),
 ]
 
@@ -580,16 +732,22 @@ def _linear_recurrence(x):
 
 CUSTOM = [
     # A lambda is not recognised as the add monoid: this binds reduce with a jaxpr.
-    case("reduce_custom_jaxpr", lambda x: lax.reduce(x, np.float32(0), lambda a, b: a + b, (0,)),
-         uniform(-2, 2), ulps=ACCUMULATING_ULPS),
+    case(
+        "reduce_custom_jaxpr",
+        lambda x: lax.reduce(x, np.float32(0), lambda a, b: a + b, (0,)),
+        uniform(-2, 2),
+        ulps=ACCUMULATING_ULPS,
+    ),
     case("reduce_variadic_custom", _argmax_by_reduce, distinct()),
-    case("lax_map", lambda x: lax.map(lambda row: jnp.sin(row) * row.sum(), x), uniform(-1, 1),
-         ulps=ACCUMULATING_ULPS),
-    case("associative_scan_add", lambda x: lax.associative_scan(jnp.add, x, axis=1), uniform(0, 2),
-         ulps=ACCUMULATING_ULPS),
+    case("lax_map", lambda x: lax.map(lambda row: jnp.sin(row) * row.sum(), x), uniform(-1, 1), ulps=ACCUMULATING_ULPS),
+    case(
+        "associative_scan_add",
+        lambda x: lax.associative_scan(jnp.add, x, axis=1),
+        uniform(0, 2),
+        ulps=ACCUMULATING_ULPS,
+    ),
     case("associative_scan_recurrence", _linear_recurrence, uniform(0, 2), ulps=ACCUMULATING_ULPS),
-    case("optimization_barrier", lambda x, y: lax.optimization_barrier((x * 2, y + 1)),
-         uniform(-2, 2), uniform(-2, 2)),
+    case("optimization_barrier", lambda x, y: lax.optimization_barrier((x * 2, y + 1)), uniform(-2, 2), uniform(-2, 2)),
     case("stop_gradient", lambda x: lax.stop_gradient(x) * x, uniform(-2, 2)),
     case("checkpoint_name", lambda x: checkpoint_name(x * 2, "h") + 1, uniform(-2, 2)),
 ]
@@ -603,15 +761,20 @@ NN = [
     unary("gelu_erf", lambda x: jax.nn.gelu(x, approximate=False), -3, 3),
     unary("silu", jax.nn.silu, -3, 3),
     case("relu", jax.nn.relu, distinct()),
-    unary("logsumexp", lambda x: (jax.nn.logsumexp(x), jax.nn.logsumexp(x, axis=1)), -3, 3,
-          ulps=ACCUMULATING_ULPS),
+    unary("logsumexp", lambda x: (jax.nn.logsumexp(x), jax.nn.logsumexp(x, axis=1)), -3, 3, ulps=ACCUMULATING_ULPS),
     case("one_hot", lambda labels: jax.nn.one_hot(labels, 5), ints(5)),
     # Attention masking with -1e9; the last row is masked out entirely, where
     # float32 gives a uniform row and an overflowed mask gives nan.
-    case("masked_softmax", lambda x, keep: jax.nn.softmax(jnp.where(keep, x, -1e9)),
-         uniform(-3, 3), np.array([[1, 1, 0, 1], [0, 1, 1, 1], [0, 0, 0, 0]], bool), ulps=ACCUMULATING_ULPS),
-    unary("sigmoid_softplus_log_sigmoid", lambda x: (jax.nn.sigmoid(x), jax.nn.softplus(x), jax.nn.log_sigmoid(x)),
-          -3, 3),
+    case(
+        "masked_softmax",
+        lambda x, keep: jax.nn.softmax(jnp.where(keep, x, -1e9)),
+        uniform(-3, 3),
+        np.array([[1, 1, 0, 1], [0, 1, 1, 1], [0, 0, 0, 0]], bool),
+        ulps=ACCUMULATING_ULPS,
+    ),
+    unary(
+        "sigmoid_softplus_log_sigmoid", lambda x: (jax.nn.sigmoid(x), jax.nn.softplus(x), jax.nn.log_sigmoid(x)), -3, 3
+    ),
     unary("elu_leaky_relu_glu", lambda x: (jax.nn.elu(x), jax.nn.leaky_relu(x), jax.nn.glu(x)), -3, 3),
     unary("standardize", lambda x: jax.nn.standardize(x, axis=-1), -3, 3, ulps=ACCUMULATING_ULPS),
 ]
@@ -630,25 +793,47 @@ GRADIENTS = [
     case("grad_avg_pool", _grad(lambda x: _window(x, 0, lax.add) / 4), uniform(-2, 2, _IMAGE)),
     case("grad_gather", _grad(lambda x, i: x[i] ** 2), uniform(-2, 2), _ROWS),
     case("grad_sort", _grad(lambda x, w: jnp.sort(x, axis=1) * w), distinct(), uniform(-2, 2)),
-    case("grad_cumulative", _grad(lambda x: lax.cumsum(x, axis=1) * lax.cummax(x, axis=0) + lax.cumprod(x, axis=1)),
-         np.abs(distinct()) + 0.5, ulps=ALGORITHM_ULPS),
-    case("grad_conv", _grad(lambda k, x: lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=_NWC) ** 2),
-         uniform(-0.5, 0.5, (3, 4, 3)), uniform(-1, 1, (2, 8, 4)), ulps=ALGORITHM_ULPS),
-    case("grad_dot", _grad(lambda w, x: jnp.tanh(x @ w)), uniform(-1, 1, (4, 5)), uniform(-1, 1),
-         ulps=ALGORITHM_ULPS),
-    case("grad_ragged_dot", _grad(lambda w, x: jnp.tanh(lax.ragged_dot(x, w, _GROUPS))),
-         uniform(-1, 1, (3, 4, 5)), uniform(-1, 1, (6, 4)), ulps=ALGORITHM_ULPS),
+    case(
+        "grad_cumulative",
+        _grad(lambda x: lax.cumsum(x, axis=1) * lax.cummax(x, axis=0) + lax.cumprod(x, axis=1)),
+        np.abs(distinct()) + 0.5,
+        ulps=ALGORITHM_ULPS,
+    ),
+    case(
+        "grad_conv",
+        _grad(lambda k, x: lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=_NWC) ** 2),
+        uniform(-0.5, 0.5, (3, 4, 3)),
+        uniform(-1, 1, (2, 8, 4)),
+        ulps=ALGORITHM_ULPS,
+    ),
+    case("grad_dot", _grad(lambda w, x: jnp.tanh(x @ w)), uniform(-1, 1, (4, 5)), uniform(-1, 1), ulps=ALGORITHM_ULPS),
+    case(
+        "grad_ragged_dot",
+        _grad(lambda w, x: jnp.tanh(lax.ragged_dot(x, w, _GROUPS))),
+        uniform(-1, 1, (3, 4, 5)),
+        uniform(-1, 1, (6, 4)),
+        ulps=ALGORITHM_ULPS,
+    ),
     # Derivatives 1 - x**2 (one_minus_square from JAX 0.11.2) and 1 / (x log 2).
-    case("grad_tanh_asin_atanh_log2", _grad(lambda x: jnp.tanh(x) + jnp.arcsin(x / 2) + jnp.arctanh(x / 2)
-                                            + jnp.log2(x + 2)),
-         uniform(-1, 1), ulps=ALGORITHM_ULPS),
-    case("grad_softmax_logsumexp", _grad(lambda x: jax.nn.softmax(x) * x + jax.nn.logsumexp(x)),
-         uniform(-2, 2), ulps=ALGORITHM_ULPS),
-    case("grad_dynamic_slice_pad", _grad(lambda x, i: lax.pad(lax.dynamic_slice(x, (i, 0), (2, 3)),
-                                                             np.float32(0), [(1, -1, 1), (0, 0, 0)]) ** 2),
-         uniform(-2, 2), np.int32(1)),
-    case("grad_top_k_reduce_max", _grad(lambda x: lax.top_k(x, 2)[0] * jnp.max(x, axis=1, keepdims=True)),
-         distinct()),
+    case(
+        "grad_tanh_asin_atanh_log2",
+        _grad(lambda x: jnp.tanh(x) + jnp.arcsin(x / 2) + jnp.arctanh(x / 2) + jnp.log2(x + 2)),
+        uniform(-1, 1),
+        ulps=ALGORITHM_ULPS,
+    ),
+    case(
+        "grad_softmax_logsumexp",
+        _grad(lambda x: jax.nn.softmax(x) * x + jax.nn.logsumexp(x)),
+        uniform(-2, 2),
+        ulps=ALGORITHM_ULPS,
+    ),
+    case(
+        "grad_dynamic_slice_pad",
+        _grad(lambda x, i: lax.pad(lax.dynamic_slice(x, (i, 0), (2, 3)), np.float32(0), [(1, -1, 1), (0, 0, 0)]) ** 2),
+        uniform(-2, 2),
+        np.int32(1),
+    ),
+    case("grad_top_k_reduce_max", _grad(lambda x: lax.top_k(x, 2)[0] * jnp.max(x, axis=1, keepdims=True)), distinct()),
 ]
 
 
@@ -730,10 +915,15 @@ def catalogue_runs(dtype):
     return [(route, compute) for route in routes for compute in (F16, BF16)]
 
 
-@pytest.mark.parametrize("op, dtype", [
-    pytest.param(op, dtype, id=f"{op.name}-{SHORT_NAMES.get(dtype, 'f32')}")
-    for op in CATALOGUE for dtype in op.dtypes if dtype in FLOATS
-])
+@pytest.mark.parametrize(
+    "op, dtype",
+    [
+        pytest.param(op, dtype, id=f"{op.name}-{SHORT_NAMES.get(dtype, 'f32')}")
+        for op in CATALOGUE
+        for dtype in op.dtypes
+        if dtype in FLOATS
+    ],
+)
 def test_catalogue_operation_under_amp(op, dtype):
     """Runs, keeps the plain function's dtypes and shapes, and gets only dtypes JAX lists for it.
 
@@ -787,26 +977,62 @@ _I = ints(7) - 3
 _J = ints(5, (4, 3)) - 2
 
 INTEGER_PROGRAMS = [
-    pytest.param(lambda i, j: (i @ j, i * 3 + 1, i // 2, lax.rem(i, 3), -i, jnp.abs(i), jnp.sign(i)), (_I, _J),
-                 id="arithmetic_and_matmul"),
-    pytest.param(lambda i, j: (jnp.sum(i), jnp.prod(i, axis=0), jnp.max(i, axis=1), jnp.argmax(i),
-                               jnp.cumsum(i, axis=1), lax.cummax(i, axis=0)), (_I, _J), id="reductions"),
-    pytest.param(lambda i, j: (jnp.sort(i, axis=1), lax.top_k(i, 2), i[j[:, 0] % 3],
-                               i.at[jnp.array([0, 0])].add(5)), (_I, _J), id="sort_gather_scatter"),
-    pytest.param(lambda i, j: (i >> 1, i << 2, i & 6, lax.population_count(i), lax.clz(i), i ^ 5), (_I, _J),
-                 id="bitwise"),
-    pytest.param(lambda i, j: lax.reduce_window(i, 0, lax.add, (2, 2), (1, 1), "VALID"), (_I, _J),
-                 id="reduce_window"),
-    pytest.param(lambda a, b: lax.dot(a, b, preferred_element_type=jnp.int32),
-                 (ints(100, (3, 4), np.int8), ints(100, (4, 2), np.int8)), id="int8_dot_to_int32"),
-    pytest.param(lambda a, b: lax.conv_general_dilated(a, b, (1,), "SAME", dimension_numbers=_NWC,
-                                                      preferred_element_type=jnp.int32),
-                 (ints(10, (1, 6, 2), np.int8), ints(10, (3, 2, 2), np.int8)), id="int8_conv_to_int32"),
-    pytest.param(lambda b, c: (b & c, b | c, ~b, b ^ c, jnp.all(b, axis=0), jnp.any(b), lax.select_n(b, c, ~c),
-                               jnp.sort(b, axis=1), b[jnp.array([2, 0])]),
-                 (ints(2).astype(bool), ints(2).astype(bool)), id="bool"),
-    pytest.param(lambda key: (jax.random.randint(key, (3,), 0, 9), jax.random.permutation(key, 5)),
-                 (_KEY,), id="random_integers"),
+    pytest.param(
+        lambda i, j: (i @ j, i * 3 + 1, i // 2, lax.rem(i, 3), -i, jnp.abs(i), jnp.sign(i)),
+        (_I, _J),
+        id="arithmetic_and_matmul",
+    ),
+    pytest.param(
+        lambda i, j: (
+            jnp.sum(i),
+            jnp.prod(i, axis=0),
+            jnp.max(i, axis=1),
+            jnp.argmax(i),
+            jnp.cumsum(i, axis=1),
+            lax.cummax(i, axis=0),
+        ),
+        (_I, _J),
+        id="reductions",
+    ),
+    pytest.param(
+        lambda i, j: (jnp.sort(i, axis=1), lax.top_k(i, 2), i[j[:, 0] % 3], i.at[jnp.array([0, 0])].add(5)),
+        (_I, _J),
+        id="sort_gather_scatter",
+    ),
+    pytest.param(
+        lambda i, j: (i >> 1, i << 2, i & 6, lax.population_count(i), lax.clz(i), i ^ 5), (_I, _J), id="bitwise"
+    ),
+    pytest.param(lambda i, j: lax.reduce_window(i, 0, lax.add, (2, 2), (1, 1), "VALID"), (_I, _J), id="reduce_window"),
+    pytest.param(
+        lambda a, b: lax.dot(a, b, preferred_element_type=jnp.int32),
+        (ints(100, (3, 4), np.int8), ints(100, (4, 2), np.int8)),
+        id="int8_dot_to_int32",
+    ),
+    pytest.param(
+        lambda a, b: lax.conv_general_dilated(
+            a, b, (1,), "SAME", dimension_numbers=_NWC, preferred_element_type=jnp.int32
+        ),
+        (ints(10, (1, 6, 2), np.int8), ints(10, (3, 2, 2), np.int8)),
+        id="int8_conv_to_int32",
+    ),
+    pytest.param(
+        lambda b, c: (
+            b & c,
+            b | c,
+            ~b,
+            b ^ c,
+            jnp.all(b, axis=0),
+            jnp.any(b),
+            lax.select_n(b, c, ~c),
+            jnp.sort(b, axis=1),
+            b[jnp.array([2, 0])],
+        ),
+        (ints(2).astype(bool), ints(2).astype(bool)),
+        id="bool",
+    ),
+    pytest.param(
+        lambda key: (jax.random.randint(key, (3,), 0, 9), jax.random.permutation(key, 5)), (_KEY,), id="random_integers"
+    ),
 ]
 
 
@@ -831,13 +1057,19 @@ def test_complex_programs_pass_through(fn):
 
 
 FLOAT64_PROGRAMS = [
-    pytest.param(lambda x, w: (x @ w, jnp.tanh(x) + 1, jnp.exp(x), jnp.sum(x), jnp.cumsum(x, axis=1)),
-                 id="matmul_and_elementwise"),
-    pytest.param(lambda x, w: (jax.nn.softmax(x), jnp.sort(x), jnp.argmax(x), x[jnp.array([1, 0])]),
-                 id="nn_sort_gather"),
-    pytest.param(lambda x, w: lax.conv_general_dilated(x[None, :, :, None], w[:2, :2, None, None], (1, 1), "SAME",
-                                                      dimension_numbers=("NHWC", "HWIO", "NHWC")),
-                 id="conv"),
+    pytest.param(
+        lambda x, w: (x @ w, jnp.tanh(x) + 1, jnp.exp(x), jnp.sum(x), jnp.cumsum(x, axis=1)),
+        id="matmul_and_elementwise",
+    ),
+    pytest.param(
+        lambda x, w: (jax.nn.softmax(x), jnp.sort(x), jnp.argmax(x), x[jnp.array([1, 0])]), id="nn_sort_gather"
+    ),
+    pytest.param(
+        lambda x, w: lax.conv_general_dilated(
+            x[None, :, :, None], w[:2, :2, None, None], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        ),
+        id="conv",
+    ),
     pytest.param(lambda x, w: (jnp.linalg.inv(w @ w.T + 4 * jnp.eye(4)), jnp.fft.rfft(x)), id="linalg_fft"),
     pytest.param(lambda x, w: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w), id="grad"),
 ]
@@ -859,7 +1091,9 @@ def test_float64_beside_float32_is_untouched():
     with jax.enable_x64(True):
         x32, x64 = uniform(-1, 1), uniform(-1, 1).astype(np.float64)
         jaxpr = jax.make_jaxpr(jaxamp.amp(f, compute_dtype=BF16))(x32, x64)
-        operands = [tuple(v.aval.dtype for v in e.invars) for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
+        operands = [
+            tuple(v.aval.dtype for v in e.invars) for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"
+        ]
         assert sorted(operands, key=str) == sorted([(BF16, BF16), (np.dtype(np.float64),) * 2], key=str)
         half, full = jaxamp.amp(f, compute_dtype=BF16)(x32, x64)
         assert half.dtype == F32

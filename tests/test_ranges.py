@@ -36,16 +36,10 @@ BOUNDED = {
     "optax cross-entropy": lambda q, k: jnp.mean(
         optax.softmax_cross_entropy_with_integer_labels(_scores(q, k), LABELS)
     ),
-    "hand-written keepdims": lambda q, k: jnp.sum(
-        jnp.exp((s := _scores(q, k)) - jnp.max(s, axis=-1, keepdims=True))
-    ),
+    "hand-written keepdims": lambda q, k: jnp.sum(jnp.exp((s := _scores(q, k)) - jnp.max(s, axis=-1, keepdims=True))),
     "max over two axes": lambda q, k: jnp.sum(jnp.exp((s := _scores(q, k)) - jnp.max(s))),
     "across jit calls": lambda q, k: jnp.sum(
-        jnp.exp(
-            jax.jit(jnp.subtract)(
-                s := _scores(q, k), jax.jit(lambda x: jnp.max(x, -1, keepdims=True))(s)
-            )
-        )
+        jnp.exp(jax.jit(jnp.subtract)(s := _scores(q, k), jax.jit(lambda x: jnp.max(x, -1, keepdims=True))(s)))
     ),
     "exp2 and expm1": lambda q, k: jnp.sum(
         jnp.exp2(d := (s := _scores(q, k)) - jnp.max(s, -1, keepdims=True)) + jnp.expm1(d)
@@ -76,22 +70,13 @@ def test_bounded_exponentials_run_in_float16(name):
 
 UNBOUNDED = {
     "plain exp": lambda q, k: jnp.sum(jnp.exp(_scores(q, k))),
-    "minus the mean": lambda q, k: jnp.sum(
-        jnp.exp(_scores(q, k) - jnp.mean(_scores(q, k), -1, keepdims=True))
-    ),
+    "minus the mean": lambda q, k: jnp.sum(jnp.exp(_scores(q, k) - jnp.mean(_scores(q, k), -1, keepdims=True))),
     # The max over rows, broadcast along columns: not the max of each element's row.
-    "misaligned max": lambda q, k: jnp.sum(
-        jnp.exp((s := _scores(q, k)) - jnp.max(s, axis=0, keepdims=True).T)
-    ),
-    "max of another value": lambda q, k: jnp.sum(
-        jnp.exp(_scores(q, k) - jnp.max(_scores(k, q), -1, keepdims=True))
-    ),
+    "misaligned max": lambda q, k: jnp.sum(jnp.exp((s := _scores(q, k)) - jnp.max(s, axis=0, keepdims=True).T)),
+    "max of another value": lambda q, k: jnp.sum(jnp.exp(_scores(q, k) - jnp.max(_scores(k, q), -1, keepdims=True))),
     # A masked max bounds only the unmasked elements.
     "masked max": lambda q, k: jnp.sum(
-        jnp.exp(
-            (s := _scores(q, k))
-            - jnp.max(s, -1, keepdims=True, where=jnp.eye(6, dtype=bool), initial=-jnp.inf)
-        )
+        jnp.exp((s := _scores(q, k)) - jnp.max(s, -1, keepdims=True, where=jnp.eye(6, dtype=bool), initial=-jnp.inf))
     ),
     # logsumexp's guard, but guarding one maximum and passing on another.
     "a guard of another maximum": lambda q, k: jnp.sum(
@@ -102,9 +87,7 @@ UNBOUNDED = {
             )
         )
     ),
-    "the max minus x": lambda q, k: jnp.sum(
-        jnp.exp(jnp.max(s := _scores(q, k), -1, keepdims=True) - s)
-    ),
+    "the max minus x": lambda q, k: jnp.sum(jnp.exp(jnp.max(s := _scores(q, k), -1, keepdims=True) - s)),
 }
 
 

@@ -41,9 +41,7 @@ def test_norm_output_leaves_in_compute_dtype(dtype):
     # applied to the half-precision activation, rounded once.
     h = (X @ W).astype(dtype).astype(jnp.float32)
     expected = jax.nn.relu(jax.vmap(eqx.nn.GroupNorm(4, 32))(h)).astype(dtype)
-    np.testing.assert_allclose(
-        amp(W, X).astype(jnp.float32), expected.astype(jnp.float32), rtol=1e-2, atol=1e-2
-    )
+    np.testing.assert_allclose(amp(W, X).astype(jnp.float32), expected.astype(jnp.float32), rtol=1e-2, atol=1e-2)
     # Gradients stay float32 for float32 parameters.
     assert jax.grad(lambda w: jnp.sum(amp(w, X)))(W).dtype == jnp.float32
 

@@ -34,11 +34,15 @@ def test_an_explicit_float32_result_of_bf16_operands_is_kept(compute_dtype):
     assert float(plain[0, 0]) == 1.0 + 2**-8  # bf16 cannot hold it: the accumulation is float32
     got = jaxamp.amp(_einsum, compute_dtype=compute_dtype)(a, b)
     np.testing.assert_array_equal(got, plain)
-    dots = [e for e in iter_eqns(jax.make_jaxpr(jaxamp.amp(_einsum, compute_dtype=compute_dtype))(a, b))
-            if e.primitive is lax.dot_general_p]
+    dots = [
+        e
+        for e in iter_eqns(jax.make_jaxpr(jaxamp.amp(_einsum, compute_dtype=compute_dtype))(a, b))
+        if e.primitive is lax.dot_general_p
+    ]
     assert [e.outvars[0].aval.dtype for e in dots] == [F32]
-    (row,) = [r for r in jaxamp.explain(_einsum, compute_dtype=compute_dtype)(a, b).rows
-              if r.primitive == "dot_general"]
+    (row,) = [
+        r for r in jaxamp.explain(_einsum, compute_dtype=compute_dtype)(a, b).rows if r.primitive == "dot_general"
+    ]
     assert row.output_dtypes == ("f32",)
     if compute_dtype == "fp8":
         assert "asks for a f32 result" in row.detail

@@ -60,9 +60,7 @@ def _per_device(tree):
 
 def _shard_map(body, in_specs, out_specs, check_vma=True, mesh=None):
     mesh = mesh or _mesh()
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
-    )
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma))
 
 
 # --- shard_map with check_vma=True: the axes come from JAX's types ----------
@@ -239,9 +237,7 @@ def test_axis_name_of_the_wrong_type_is_a_type_error(bad):
 
 def test_unbound_axis_name_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="axis_name='model' names an axis that is not bound"):
-        jax.pmap(lambda x: jaxamp.all_finite(x, axis_name="model"), axis_name="batch")(
-            jnp.ones((N, 2))
-        )
+        jax.pmap(lambda x: jaxamp.all_finite(x, axis_name="model"), axis_name="batch")(jnp.ones((N, 2)))
 
 
 # --- pmap training: collectives in the loss, one replica in trouble ---------
@@ -256,9 +252,7 @@ def test_pmap_with_a_collective_in_the_loss_returns_with_one_scale(trouble, redo
     def loss(params, x):
         return jax.lax.pmean(_f16_loss(params, x), "batch")
 
-    grad_fn = jaxamp.dynamic_scale_value_and_grad(
-        loss, filter=False, redo_on_nan=redo_on_nan, axis_name="batch"
-    )
+    grad_fn = jaxamp.dynamic_scale_value_and_grad(loss, filter=False, redo_on_nan=redo_on_nan, axis_name="batch")
 
     @functools.partial(jax.pmap, axis_name="batch", in_axes=(None, 0, None))
     def step(params, x, state):
@@ -299,9 +293,7 @@ def test_a_psummed_normaliser_in_the_loss_with_redo(mode):
     x = _batch().at[5].set(30.0)
     start = jaxamp.DynamicScalerState(scaler=2.0**15)
     if mode == "pmap":
-        state, resets = jax.pmap(step, axis_name="batch", in_axes=(None, 0, None))(
-            _params(), x.reshape(N, 4, D), start
-        )
+        state, resets = jax.pmap(step, axis_name="batch", in_axes=(None, 0, None))(_params(), x.reshape(N, 4, D), start)
         scales = np.asarray(state.scaler)
     else:
         fn = _shard_map(step, (P(), P("dp"), P()), (P(), P("dp")))

@@ -64,9 +64,7 @@ def _reference_step(model, x, y):
 
 
 @pytest.mark.parametrize("redo_on_nan", [0, 3])
-@pytest.mark.parametrize(
-    "entry_point", [jaxamp.dynamic_scale_value_and_grad, jaxamp.dynamic_scale_grad]
-)
+@pytest.mark.parametrize("entry_point", [jaxamp.dynamic_scale_value_and_grad, jaxamp.dynamic_scale_grad])
 def test_module_state_advances_as_under_nnx_value_and_grad(entry_point, redo_on_nan):
     model, reference = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
     step = _scaled_step(entry_point, redo_on_nan)

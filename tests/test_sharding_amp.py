@@ -68,7 +68,9 @@ def test_fsdp_step_with_amp_and_loss_scaling_matches_one_device():
         xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
         param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
         sharded_step = jax.jit(step, out_shardings=(param_shardings, None, None, None, param_shardings))
-        new_params, _, scaler, loss, grads = sharded_step(sharded_params, opt_state, jaxamp.DynamicScalerState(), xs, ys)
+        new_params, _, scaler, loss, grads = sharded_step(
+            sharded_params, opt_state, jaxamp.DynamicScalerState(), xs, ys
+        )
         jaxpr = jax.make_jaxpr(step)(sharded_params, opt_state, jaxamp.DynamicScalerState(), xs, ys)
 
     # bf16 tolerance: 8 mantissa bits, a few layers deep.

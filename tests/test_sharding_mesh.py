@@ -247,9 +247,7 @@ def test_constraint_on_a_pytree_with_a_spec_prefix():
     mesh = plain_mesh()
     tree = {"a": jnp.ones((8, 2)), "b": jnp.ones((4,))}
     with jax.set_mesh(mesh):
-        out = jax.jit(
-            lambda t: with_sharding_constraint(t, {"a": P("fsdp"), "b": P("fsdp")})
-        )(tree)
+        out = jax.jit(lambda t: with_sharding_constraint(t, {"a": P("fsdp"), "b": P("fsdp")}))(tree)
     assert out["a"].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 2)
     assert out["b"].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 1)
 
@@ -261,9 +259,7 @@ def test_constraint_on_manual_axes_inside_shard_map_is_skipped():
         return with_sharding_constraint(block * 2, P("fsdp"))
 
     with jax.set_mesh(mesh):
-        out = jax.jit(jax.shard_map(body, in_specs=P("fsdp"), out_specs=P("fsdp")))(
-            jnp.ones((8, 2))
-        )
+        out = jax.jit(jax.shard_map(body, in_specs=P("fsdp"), out_specs=P("fsdp")))(jnp.ones((8, 2)))
     np.testing.assert_array_equal(out, 2 * np.ones((8, 2)))
 
 

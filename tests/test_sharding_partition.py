@@ -166,9 +166,7 @@ def test_dtype_pytree_per_leaf_with_none_and_shape_structs():
     shard_fns, gather_fns = make_shard_and_gather_fns(specs, dtypes)
     with jax.set_mesh(plain_mesh()):
         sharded = tree_apply(shard_fns, host)
-    assert {k: v.dtype for k, v in sharded.items()} == {
-        "a": jnp.bfloat16, "b": jnp.float32, "c": jnp.float32
-    }
+    assert {k: v.dtype for k, v in sharded.items()} == {"a": jnp.bfloat16, "b": jnp.float32, "c": jnp.float32}
 
 
 def test_gather_applies_the_dtype_on_the_host():
@@ -268,7 +266,10 @@ def test_shard_and_gather_across_two_processes(tmp_path):
     procs = [
         subprocess.Popen(
             [sys.executable, str(script), str(port), str(pid)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for pid in range(2)
     ]

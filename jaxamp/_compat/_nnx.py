@@ -27,7 +27,6 @@ __all__ = [
 
 
 @functools.cache
-
 def _nnx_graph_mode(fn: Callable) -> dict[str, Any]:
     import inspect
 

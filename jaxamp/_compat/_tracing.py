@@ -156,11 +156,7 @@ def with_dtype(aval: Any, dtype: Any) -> Any:
 
 def _scope_names(name_stack: Any) -> tuple[str, ...]:
     # Transform entries ("jvp", "transpose", "vmap") are not user scopes.
-    return tuple(
-        entry.name
-        for entry in name_stack.stack
-        if isinstance(entry, _source_info.Scope)
-    )
+    return tuple(entry.name for entry in name_stack.stack if isinstance(entry, _source_info.Scope))
 
 
 def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
@@ -296,9 +292,7 @@ class _CallKeepingTrace(_pe.DynamicJaxprTrace):
     """
 
     def process_primitive(self, primitive, tracers, params, /):
-        if primitive is not jit_p or not _inlined_while_tracing(params) or _needs_inlining(
-            tracers, params
-        ):
+        if primitive is not jit_p or not _inlined_while_tracing(params) or _needs_inlining(tracers, params):
             return super().process_primitive(primitive, tracers, params)
         source_info = _source_info.current()
         tracers = [self.to_jaxpr_tracer(t, source_info=source_info) for t in tracers]
@@ -348,9 +342,7 @@ def trace_keeping_calls(fn: Callable, in_avals: Sequence[Any]) -> ClosedJaxpr:
     return ClosedJaxpr(jaxpr, consts)
 
 
-def trace_to_jaxpr_with_consts_as_inputs(
-    fn: Callable, in_avals: Sequence[Any]
-) -> tuple[ClosedJaxpr, list[Any]]:
+def trace_to_jaxpr_with_consts_as_inputs(fn: Callable, in_avals: Sequence[Any]) -> tuple[ClosedJaxpr, list[Any]]:
     """Like `trace_to_closed_jaxpr`, with the constants moved to leading inputs.
 
     Loop primitives take their constants as operands (``num_consts``), not
@@ -373,9 +365,7 @@ def bind_remat(program: ClosedJaxpr, consts: Sequence[Any], args: Sequence[Any],
     caches of its derivatives (JVP, partial evaluation, transpose: keyed by the
     jaxpr) serve every call.
     """
-    return remat_p.bind(
-        *consts, *args, jaxpr=program.jaxpr, prevent_cse=True, differentiated=False, policy=policy
-    )
+    return remat_p.bind(*consts, *args, jaxpr=program.jaxpr, prevent_cse=True, differentiated=False, policy=policy)
 
 
 @_internal
@@ -586,8 +576,7 @@ def lax_modules() -> list[Any]:
     import jax._src.lax as lax_pkg
 
     return [
-        importlib.import_module(info.name)
-        for info in pkgutil.walk_packages(lax_pkg.__path__, f"{lax_pkg.__name__}.")
+        importlib.import_module(info.name) for info in pkgutil.walk_packages(lax_pkg.__path__, f"{lax_pkg.__name__}.")
     ]
 
 

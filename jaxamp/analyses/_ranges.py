@@ -66,9 +66,7 @@ NONPOSITIVE = "nonpositive"
 # Primitives whose result lies in a bounded interval when their operand is <= 0.
 _BOUNDED_WHEN_NONPOSITIVE = frozenset({"exp", "exp2", "expm1"})
 # Single-operand primitives that keep a value's fact unchanged.
-_ELEMENTWISE_IDENTITY = frozenset(
-    {"stop_gradient", "convert_element_type", "copy", "reduce_precision", "pvary"}
-)
+_ELEMENTWISE_IDENTITY = frozenset({"stop_gradient", "convert_element_type", "copy", "reduce_precision", "pvary"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,9 +306,7 @@ def enter_call(facts: Sequence[Any], invars: Sequence[Any]) -> tuple[Any, ...]:
 
 def resolve_inputs(facts: Sequence[Any], invars: Sequence[Any]) -> list[Any]:
     """Facts of a body's inputs, with `Arg` references turned into its variables."""
-    return [
-        _rebase(f, lambda _, of: invars[of.index] if isinstance(of, Arg) else of) for f in facts
-    ]
+    return [_rebase(f, lambda _, of: invars[of.index] if isinstance(of, Arg) else of) for f in facts]
 
 
 def leave_call(

@@ -62,9 +62,7 @@ def _region_exits(jaxpr: Any, scopes: frozenset[str]) -> tuple[list, dict[int, t
     found = per_jaxpr.get(scopes)
     if found is not None:
         return found
-    scope_of = [
-        next((s for s in _compat.eqn_scopes(eqn) if s in scopes), None) for eqn in jaxpr.eqns
-    ]
+    scope_of = [next((s for s in _compat.eqn_scopes(eqn) if s in scopes), None) for eqn in jaxpr.eqns]
     users: dict[Any, set] = {}
     for eqn, scope in zip(jaxpr.eqns, scope_of):
         for v in eqn.invars:
@@ -76,9 +74,7 @@ def _region_exits(jaxpr: Any, scopes: frozenset[str]) -> tuple[list, dict[int, t
         if scope is None:
             continue
         leaving = tuple(
-            k
-            for k, v in enumerate(eqn.outvars)
-            if v in returned or any(u != scope for u in users.get(v, ()))
+            k for k, v in enumerate(eqn.outvars) if v in returned or any(u != scope for u in users.get(v, ()))
         )
         if leaving:
             exits[i] = leaving

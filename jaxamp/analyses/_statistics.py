@@ -55,12 +55,24 @@ OTHER, MOMENT, NORMALISER, CONSTANT = 0, 1, 2, 3
 # Ops through which a value keeps its class: they move or convert elements
 # without combining them with others.
 _TRANSPARENT = frozenset(
-    {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "copy",
-     "transpose", "reduce_precision", "pvary", "psum", "psum_invariant"}
+    {
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "convert_element_type",
+        "copy",
+        "transpose",
+        "reduce_precision",
+        "pvary",
+        "psum",
+        "psum_invariant",
+    }
 )
 _ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min", "neg"})
 # What a norm's affine part (``* scale + bias``) is made of.
 _AFFINE = _TRANSPARENT | {"add", "sub", "mul"}
+
 
 @dataclasses.dataclass(frozen=True)
 class StatisticsPlan:
@@ -145,9 +157,7 @@ def _plan(
     in_ranges: tuple[Any, ...],
 ) -> StatisticsPlan:
     cls: dict[Any, int] = dict(zip(jaxpr.invars, in_classes))
-    ranges: dict[Any, Any] = dict(
-        zip(jaxpr.invars, _ranges.resolve_inputs(in_ranges, jaxpr.invars))
-    )
+    ranges: dict[Any, Any] = dict(zip(jaxpr.invars, _ranges.resolve_inputs(in_ranges, jaxpr.invars)))
     bounded: set[int] = set()
     # Variables known to equal an earlier one (see `_ranges.aliases`).
     alias: dict[Any, Any] = {}
@@ -156,9 +166,7 @@ def _plan(
     statistics: set[int] = set()
     call_inputs: dict[int, tuple[tuple[int, ...], tuple[bool, ...], tuple[Any, ...]]] = {}
     # Variables some equation (or the caller) sums.
-    summed: set[Any] = {
-        v for v, s in zip(jaxpr.outvars, summed_outputs) if s and not isinstance(v, _compat.Literal)
-    }
+    summed: set[Any] = {v for v, s in zip(jaxpr.outvars, summed_outputs) if s and not isinstance(v, _compat.Literal)}
     call_summed: dict[int, tuple[bool, ...]] = {}
     squares: dict[Any, int] = {}  # output of a square -> its equation's index
     # Equations whose result is a normalised activation (a call's too), and
@@ -186,17 +194,14 @@ def _plan(
     for i in reversed(range(len(jaxpr.eqns))):
         eqn, body = jaxpr.eqns[i], bodies[i]
         name = eqn.primitive.name
-        if name == "reduce_sum" or (
-            name in _TRANSPARENT and any(o in summed for o in eqn.outvars)
-        ):
+        if name == "reduce_sum" or (name in _TRANSPARENT and any(o in summed for o in eqn.outvars)):
             summed.update(v for v in eqn.invars if not isinstance(v, _compat.Literal))
         elif body is not None:
             call_summed[i] = tuple(o in summed for o in eqn.outvars)
             # Which inputs a body sums does not depend on their classes.
             inner = plan_statistics(body, None, call_summed[i])
             summed.update(
-                v for v, s in zip(eqn.invars, inner.summed_inputs)
-                if s and not isinstance(v, _compat.Literal)
+                v for v, s in zip(eqn.invars, inner.summed_inputs) if s and not isinstance(v, _compat.Literal)
             )
 
     for i, (eqn, body) in enumerate(zip(jaxpr.eqns, bodies)):
@@ -226,9 +231,7 @@ def _plan(
             (source,) = eqn.invars
             if isinstance(source, _compat.Literal):
                 pass
-            elif source in per_feature or (
-                name == "broadcast_in_dim" and _size(source) < _size(eqn.outvars[0])
-            ):
+            elif source in per_feature or (name == "broadcast_in_dim" and _size(source) < _size(eqn.outvars[0])):
                 per_feature.add(eqn.outvars[0])
         elif name == "rsqrt" and ins[0] != CONSTANT:
             # Of a variance, or of a running variance at inference; but not
@@ -236,9 +239,7 @@ def _plan(
             outs = [NORMALISER]
         elif name == "sqrt" and ins[0] == MOMENT:
             outs = [NORMALISER]
-        elif name in ("square", "integer_pow") and (
-            name == "square" or eqn.params.get("y") == 2
-        ):
+        elif name in ("square", "integer_pow") and (name == "square" or eqn.params.get("y") == 2):
             outs = [MOMENT] if ins[0] == MOMENT else [OTHER]
             if ins[0] != MOMENT:
                 squares[eqn.outvars[0]] = i
@@ -261,12 +262,8 @@ def _plan(
         out_classes=tuple(of(v) for v in jaxpr.outvars),
         out_ranges=tuple(range_of(v) for v in jaxpr.outvars),
         summed_inputs=tuple(v in summed for v in jaxpr.invars),
-        statistic_outputs=tuple(
-            not isinstance(v, _compat.Literal) and v in made_by_statistics for v in jaxpr.outvars
-        ),
-        normalised_outputs=tuple(
-            not isinstance(v, _compat.Literal) and v in normalised_vars for v in jaxpr.outvars
-        ),
+        statistic_outputs=tuple(not isinstance(v, _compat.Literal) and v in made_by_statistics for v in jaxpr.outvars),
+        normalised_outputs=tuple(not isinstance(v, _compat.Literal) and v in normalised_vars for v in jaxpr.outvars),
         norm_runs=_norm_runs(jaxpr, cls, made_by_statistics, normalised, per_feature),
     )
 
@@ -384,4 +381,3 @@ def _arithmetic(name, eqn, ins, per_feature, statistics, index, squares) -> int:
     if name == "mul" and va is vb and a == OTHER:
         squares[eqn.outvars[0]] = index  # x * x
     return OTHER
-

@@ -308,8 +308,8 @@ def _scope_errors(amp_events: list, float32_events: list, float32_out: Any) -> t
 
 
 def _is_floating_scalar(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, float)) and jnp.ndim(x) == 0 and _is_floating(
-        jnp.asarray(x)
+    return (
+        isinstance(x, (jax.Array, np.ndarray, np.generic, float)) and jnp.ndim(x) == 0 and _is_floating(jnp.asarray(x))
     )
 
 

@@ -264,22 +264,50 @@ class AmpReport:
         groups: dict[tuple, list[AmpRow]] = defaultdict(list)
         for row in self.rows:
             scope = _fold_scope(row.scope) if fold else row.scope
-            key = (scope, row.primitive, row.decided_by, row.dtypes_before, row.dtypes_after,
-                   row.output_dtypes, row.detail, row.source or "")
+            key = (
+                scope,
+                row.primitive,
+                row.decided_by,
+                row.dtypes_before,
+                row.dtypes_after,
+                row.output_dtypes,
+                row.detail,
+                row.source or "",
+            )
             groups[key].append(row)
-        header: tuple[str, ...] = ("scope", "primitive", "count", "decided by", "before", "after", "out",
-                                   "casts", "FLOPs", "source")
+        header: tuple[str, ...] = (
+            "scope",
+            "primitive",
+            "count",
+            "decided by",
+            "before",
+            "after",
+            "out",
+            "casts",
+            "FLOPs",
+            "source",
+        )
         notes = any(row.detail for row in self.rows)
         if notes:
             header += ("notes",)
         lines = [header]
         for (scope, prim, decided, before, after, out, detail, source), rows in groups.items():
             flops = sum(r.flops for r in rows)
-            lines.append((
-                scope or "-", prim, str(sum(r.trip_count for r in rows)), decided,
-                ",".join(before) or "-", ",".join(after) or "-", ",".join(out), str(sum(r.casts for r in rows)),
-                _si(flops) if flops else "", _short_source(source), *((detail,) if notes else ()),
-            ))
+            lines.append(
+                (
+                    scope or "-",
+                    prim,
+                    str(sum(r.trip_count for r in rows)),
+                    decided,
+                    ",".join(before) or "-",
+                    ",".join(after) or "-",
+                    ",".join(out),
+                    str(sum(r.casts for r in rows)),
+                    _si(flops) if flops else "",
+                    _short_source(source),
+                    *((detail,) if notes else ()),
+                )
+            )
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         table = "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
         summary = (

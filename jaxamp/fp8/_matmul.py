@@ -84,6 +84,7 @@ __all__ = [
     "with_fp8_matmuls",
 ]
 
+
 def is_per_group_layout(eqn: Any) -> bool:
     """Whether a ``ragged_dot_general`` is laid out as `lax.ragged_dot` makes it.
 
@@ -219,9 +220,7 @@ class Fp8MatmulRule:
             pass
         return dataclasses.replace(self, last_matmul=last)
 
-    def rewrite_equation(
-        self, compute_dtype, original_dtypes, eqn, *invars, **bind_params
-    ) -> EquationRewrite:
+    def rewrite_equation(self, compute_dtype, original_dtypes, eqn, *invars, **bind_params) -> EquationRewrite:
         """Replace a matmul equation by the scaled float8 matmul, or say why not."""
         reason = self._keep_out(original_dtypes, eqn) or _differentiated_twice()
         if reason:
@@ -437,6 +436,4 @@ def with_fp8_matmuls(table: Mapping[Any, Rule], recipe: Fp8Recipe) -> PolicyTabl
     rule = Fp8MatmulRule(recipe)
     by_name = _compat.primitives_by_name()
     primitives = [by_name[name] for name in MATMUL_NAMES if name in by_name]
-    return PolicyTable(
-        {**table, **{p: rule for p in primitives if table.get(p) is use_compute_precision}}
-    )
+    return PolicyTable({**table, **{p: rule for p in primitives if table.get(p) is use_compute_precision}})

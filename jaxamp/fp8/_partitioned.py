@@ -55,9 +55,20 @@ from ..transform._interpreter import warn_once
 from ._quantize import place, quantize, quantize_along
 
 __all__ = [
-    "ConvShardLayouts", "LocalConv", "LocalScaling", "OnDevice", "ShardLayout", "axis_names", "conv_per_device",
-    "dequantize_per_device", "explicit_conv_layouts", "free_dims", "per_shard_conv", "per_shard_dot",
-    "quantize_per_device", "spec_of",
+    "ConvShardLayouts",
+    "LocalConv",
+    "LocalScaling",
+    "OnDevice",
+    "ShardLayout",
+    "axis_names",
+    "conv_per_device",
+    "dequantize_per_device",
+    "explicit_conv_layouts",
+    "free_dims",
+    "per_shard_conv",
+    "per_shard_dot",
+    "quantize_per_device",
+    "spec_of",
 ]
 
 _F32 = np.dtype(np.float32)
@@ -287,8 +298,11 @@ def _partitioned_op(name: str, factors_of: Callable, local: Callable, batch: Cal
 
     def partition(how: Any, mesh: Any, operand_shapes: Sequence[Any], result_shape: Any) -> tuple:
         if _replicated_off_mesh(operand_shapes):  # no mesh to name the devices: one whole copy each
-            return mesh, lambda lhs, rhs: local(lhs, rhs, how, OnDevice()), result_shape.sharding, tuple(
-                s.sharding for s in operand_shapes
+            return (
+                mesh,
+                lambda lhs, rhs: local(lhs, rhs, how, OnDevice()),
+                result_shape.sharding,
+                tuple(s.sharding for s in operand_shapes),
             )
         factors = factors_of(how, *(len(s.shape) for s in operand_shapes))
         specs, out_spec, summed_over = _layout(factors, operand_shapes)

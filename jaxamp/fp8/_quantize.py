@@ -16,8 +16,16 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-    "E4M3", "E5M2", "apply_scale", "finite_amax", "place", "quantize", "quantize_along", "quantize_blocks",
-    "quantize_rows_by_group", "scale_for_amax",
+    "E4M3",
+    "E5M2",
+    "apply_scale",
+    "finite_amax",
+    "place",
+    "quantize",
+    "quantize_along",
+    "quantize_blocks",
+    "quantize_rows_by_group",
+    "scale_for_amax",
 ]
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -121,10 +129,9 @@ def quantize_rows_by_group(x: Any, fmt: Any, group_ids: Any, num_groups: int) ->
     return apply_scale(x32, row_scales, fmt), scales
 
 
-
-
-def quantize_blocks(x: Any, axis: int, block: int, mode: str, free_axis: int | None = None,
-                    free_block: int = 1, fmt: Any = E4M3) -> tuple[Any, Any]:
+def quantize_blocks(
+    x: Any, axis: int, block: int, mode: str, free_axis: int | None = None, free_block: int = 1, fmt: Any = E4M3
+) -> tuple[Any, Any]:
     """Quantise `x` to `fmt` (e4m3 by default) with one scale per block of `block` entries along `axis`.
 
     With `free_axis`, a block also spans `free_block` entries along it (the
@@ -196,6 +203,4 @@ def place(scale: Any, kept: Sequence[int], position: dict, shape: Sequence[int])
     `position` maps each kept dim to the result's dimension it becomes.
     """
     order = sorted(range(len(kept)), key=lambda k: position[kept[k]])
-    return lax.broadcast_in_dim(
-        lax.transpose(scale, order), tuple(shape), tuple(position[kept[k]] for k in order)
-    )
+    return lax.broadcast_in_dim(lax.transpose(scale, order), tuple(shape), tuple(position[kept[k]] for k in order))

@@ -10,7 +10,13 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-    "AMAX_ALGORITHMS", "BLOCK_SCALINGS", "FAST_ACCUMULATION", "FP8_NAMES", "SCALINGS", "Fp8Recipe", "as_recipe",
+    "AMAX_ALGORITHMS",
+    "BLOCK_SCALINGS",
+    "FAST_ACCUMULATION",
+    "FP8_NAMES",
+    "SCALINGS",
+    "Fp8Recipe",
+    "as_recipe",
 ]
 
 FP8_NAMES = ("fp8", "float8")
@@ -169,14 +175,17 @@ class Fp8Recipe:
     margin: int = 0
 
     def __post_init__(self) -> None:
-        limits = (("min_flops", 0), ("min_contraction", 1), ("gemm_multiple", 1), ("amax_history_length", 1),
-                  ("margin", 0))
+        limits = (
+            ("min_flops", 0),
+            ("min_contraction", 1),
+            ("gemm_multiple", 1),
+            ("amax_history_length", 1),
+            ("margin", 0),
+        )
         for name, least in limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(
-                    f"Fp8Recipe.{name} must be an int, got {value!r} ({type(value).__name__})."
-                )
+                raise TypeError(f"Fp8Recipe.{name} must be an int, got {value!r} ({type(value).__name__}).")
             if value < least:
                 raise ValueError(f"Fp8Recipe.{name} must be at least {least}, got {value}.")
         if self.scaling not in SCALINGS:
@@ -192,9 +201,7 @@ class Fp8Recipe:
                 f"{self.power_of_two_scales!r} ({type(self.power_of_two_scales).__name__})."
             )
         if self.gradient_format not in (None, "e4m3", "e5m2"):
-            raise ValueError(
-                f"Fp8Recipe.gradient_format must be None, 'e4m3' or 'e5m2', got {self.gradient_format!r}."
-            )
+            raise ValueError(f"Fp8Recipe.gradient_format must be None, 'e4m3' or 'e5m2', got {self.gradient_format!r}.")
         if self.amax_compute_algo not in AMAX_ALGORITHMS:
             raise ValueError(
                 f"Fp8Recipe.amax_compute_algo must be one of {AMAX_ALGORITHMS}, got {self.amax_compute_algo!r}."

@@ -64,9 +64,18 @@ from ._quantize import (
 from ._state import ROLES, history_scale, observation
 
 __all__ = [
-    "AutoPerShard", "BLOCK_SIZE", "BlockScaled", "Delayed", "PerGroup", "PerShard", "PerShardConv", "Rowwise",
+    "AutoPerShard",
+    "BLOCK_SIZE",
+    "BlockScaled",
+    "Delayed",
+    "PerGroup",
+    "PerShard",
+    "PerShardConv",
+    "Rowwise",
     "Tensorwise",
-    "blocked_dot", "shard_axes", "sharded_free_dims",
+    "blocked_dot",
+    "shard_axes",
+    "sharded_free_dims",
 ]
 
 _F32 = np.dtype(jnp.float32)
@@ -145,8 +154,13 @@ class Tensorwise:
         q, s = other
         q_g, s_g = self.quantize_cotangent(g, rest)
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, aval, q), self.operands(rest),
-            _accumulating(self.params, self.precisions[1]), _F32, only=side,
+            self.primitive,
+            q_g,
+            *_pair(side, aval, q),
+            self.operands(rest),
+            _accumulating(self.params, self.precisions[1]),
+            _F32,
+            only=side,
         )
         # Integer operands (a ragged dot's group sizes) get no cotangent.
         return (_chosen(side, found) * (s_g * s)).astype(aval.dtype)
@@ -260,7 +274,12 @@ class Rowwise:
         q_g, s_g = quantize_along(g, self.gradient_format, g_contracted, self.power_of_two)
         q_other, s_other = quantize_along(other, E4M3, other_contracted, self.power_of_two)
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, aval, q_other), (), _accumulating(self.params, self.precisions[1]), _F32,
+            self.primitive,
+            q_g,
+            *_pair(side, aval, q_other),
+            (),
+            _accumulating(self.params, self.precisions[1]),
+            _F32,
             only=side,
         )
         d = _chosen(side, found) * place(s_g, sorted(g_to), g_to, aval.shape)
@@ -286,7 +305,6 @@ class PerGroup:
     @property
     def primitive(self) -> Any:
         return _compat.primitives_by_name()["ragged_dot_general"]
-
 
     @staticmethod
     def _group_ids(group_sizes, rows):
@@ -319,8 +337,13 @@ class PerGroup:
         ids = self._group_ids(group_sizes, g.shape[0])
         q_g, s_g = quantize_rows_by_group(g, self.gradient_format, ids, group_sizes.shape[0])
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, aval, q), [group_sizes], _accumulating(self.params, self.precisions[1]),
-            _F32, only=side,
+            self.primitive,
+            q_g,
+            *_pair(side, aval, q),
+            [group_sizes],
+            _accumulating(self.params, self.precisions[1]),
+            _F32,
+            only=side,
         )
         scale = (s_g * s)[ids][:, None] if side == "lhs" else (s_g * s)[:, None, None]
         return (_chosen(side, found) * scale).astype(aval.dtype)
@@ -344,7 +367,13 @@ def _free_and_flat(x: Any, contracting: Sequence[int], batch: Sequence[int], con
 
 
 def blocked_dot(
-    a: Any, b: Any, dimension_numbers: Any, block: int, mode: str, b_free_block: int = 1, a_format: Any = E4M3,
+    a: Any,
+    b: Any,
+    dimension_numbers: Any,
+    block: int,
+    mode: str,
+    b_free_block: int = 1,
+    a_format: Any = E4M3,
     precision: Any = None,
 ) -> Any:
     """``dot_general(a, b)`` in e4m3 with a scale per block of `block` along the contraction.
@@ -373,8 +402,11 @@ def blocked_dot(
     q_b = lax.reshape(q_b, (*batch, kb, block, g))
     batch_dims = tuple(range(nb))
     out = lax.dot_general(
-        q_a, q_b, (((nb + 2,), (nb + 1,)), ((*batch_dims, nb + 1), (*batch_dims, nb))),
-        precision=precision, preferred_element_type=_F32,
+        q_a,
+        q_b,
+        (((nb + 2,), (nb + 1,)), ((*batch_dims, nb + 1), (*batch_dims, nb))),
+        precision=precision,
+        preferred_element_type=_F32,
     )  # [batch, K/block, F, G]
     s_a = lax.transpose(s_a, (*batch_dims, nb + 1, nb))  # [batch, K/block, F]
     out = out * lax.broadcast_in_dim(s_a, out.shape, tuple(range(nb + 2)))
@@ -580,9 +612,7 @@ def sharded_free_dims(eqn: Any, lhs: Any, rhs: Any) -> tuple[dict, dict]:
 
     def blocks(x, contracting, batch, other, other_contracting):
         other_spec = spec_of(jax.typeof(other))
-        taken = {
-            name for d, entry in enumerate(other_spec) if d not in other_contracting for name in axis_names(entry)
-        }
+        taken = {name for d, entry in enumerate(other_spec) if d not in other_contracting for name in axis_names(entry)}
         shards = _compat.explicit_shards(x)
         return {
             d: shards[d]
@@ -664,7 +694,15 @@ class PerShard:
         return _compat.primitives_by_name()["dot_general"]
 
     def __init__(
-        self, params, lhs_aval, rhs_aval, lhs_blocks, rhs_blocks, out_dtype, power_of_two=False, gradient_format=E5M2,
+        self,
+        params,
+        lhs_aval,
+        rhs_aval,
+        lhs_blocks,
+        rhs_blocks,
+        out_dtype,
+        power_of_two=False,
+        gradient_format=E5M2,
         precisions=(None, None),
     ):
         self.params, self.out_dtype, self.power_of_two = params, out_dtype, power_of_two
@@ -686,9 +724,7 @@ class PerShard:
                 for d, entry in enumerate(spec_of(aval))
             ]
         self.own_split = {side: _split_layout(self.avals[side], blocks[side]) for side in blocks}
-        self.split = {
-            side: _split_layout(self.avals[side], blocks[side], self.gathered_spec[side]) for side in blocks
-        }
+        self.split = {side: _split_layout(self.avals[side], blocks[side], self.gathered_spec[side]) for side in blocks}
         (_, _, l_at, l_block), (_, _, r_at, r_block) = self.split["lhs"], self.split["rhs"]
         # Each operand split, the other's shard dims in front of it.
         self.front = {
@@ -702,9 +738,11 @@ class PerShard:
             dimension_numbers=(
                 (tuple(kr + l_at[d] for d in lc), tuple(kl + r_at[d] for d in rc)),
                 (
-                    tuple(kr + l_at[d] for d in lb) + tuple(kr + l_block[d] for d in self.order["lhs"])
+                    tuple(kr + l_at[d] for d in lb)
+                    + tuple(kr + l_block[d] for d in self.order["lhs"])
                     + tuple(range(kr)),
-                    tuple(kl + r_at[d] for d in rb) + tuple(range(kl))
+                    tuple(kl + r_at[d] for d in rb)
+                    + tuple(range(kl))
                     + tuple(kl + r_block[d] for d in self.order["rhs"]),
                 ),
             ),  # fmt: skip
@@ -766,7 +804,8 @@ class PerShard:
     def product(self, lhs, rhs, rest):
         (q_lhs, s_lhs), (q_rhs, s_rhs) = lhs, rhs
         out = self.primitive.bind(
-            self._with_front("lhs", q_lhs), self._with_front("rhs", q_rhs),
+            self._with_front("lhs", q_lhs),
+            self._with_front("rhs", q_rhs),
             **_accumulating(self.blocked_params, self.precisions[0]),
         )
         for side, s in (("lhs", s_lhs), ("rhs", s_rhs)):
@@ -801,8 +840,13 @@ class PerShard:
         mesh = aval.sharding.mesh if not aval.sharding.mesh.empty else jax.sharding.get_abstract_mesh()
         blocked = aval.update(shape=shape, dtype=_F32, sharding=NamedSharding(mesh, P(*spec)))
         found = _compat.matmul_cotangents(
-            self.primitive, q_g, *_pair(side, blocked, self._with_front(other_side, q_other)), (),
-            _accumulating(self.blocked_params, self.precisions[1]), _F32, only=side,
+            self.primitive,
+            q_g,
+            *_pair(side, blocked, self._with_front(other_side, q_other)),
+            (),
+            _accumulating(self.blocked_params, self.precisions[1]),
+            _F32,
+            only=side,
         )
         d = _chosen(side, found)
         # `d` is [the other operand's shards, this one's split layout]; `s_g`

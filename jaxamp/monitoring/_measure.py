@@ -17,7 +17,14 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-    "FIELDS", "LOSS_SCALE_EXPONENTS", "combine", "derived", "headroom_bits", "is_low_precision", "measure", "per_site",
+    "FIELDS",
+    "LOSS_SCALE_EXPONENTS",
+    "combine",
+    "derived",
+    "headroom_bits",
+    "is_low_precision",
+    "measure",
+    "per_site",
 ]
 
 # The smallest normal of float16 is 2^-14. A backward value below

@@ -131,8 +131,10 @@ def monitor(fn: Callable | None = None, *, headroom_bits: float = 4.0) -> Callab
         return functools.partial(monitor, headroom_bits=headroom_bits)
     if not callable(fn):
         raise TypeError(f"jaxamp.monitoring.monitor expects a callable, got {type(fn).__name__}: {fn!r:.100}.")
-    if isinstance(headroom_bits, bool) or not isinstance(headroom_bits, (int, float)) or not (
-        0 <= headroom_bits < math.inf
+    if (
+        isinstance(headroom_bits, bool)
+        or not isinstance(headroom_bits, (int, float))
+        or not (0 <= headroom_bits < math.inf)
     ):
         raise ValueError(f"headroom_bits must be a finite number >= 0, got {headroom_bits!r}.")
 

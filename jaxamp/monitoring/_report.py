@@ -158,9 +158,7 @@ def monitor_report(records: Any, path: str | os.PathLike, *, top: int = 40, agai
         raise ValueError(f"monitor_report writes .html or .png files, got {path!r}.")
     steps, summaries, grids, events = summarize(records, against)
     if not steps:
-        raise ValueError(
-            "monitor_report: the records hold no statistics (record MonitorStats with a MonitorRecorder)."
-        )
+        raise ValueError("monitor_report: the records hold no statistics (record MonitorStats with a MonitorRecorder).")
     for grid in grids.values():
         for name in ("headroom_bits", "underflow"):
             grid[name] = grid[name][:top]
@@ -215,9 +213,7 @@ def _heatmap_svg(title: str, scopes: list[str], steps: list[int], values: np.nda
                 f'fill="{colour(value)}"><title>{html.escape(scope)}, step {step}: {label}</title></rect>'
             )
     parts.append(
-        f'<text x="{label_w}" y="{height - 6}" font-size="11">steps {steps[0]} to {steps[-1]}</text>'
-        if steps
-        else ""
+        f'<text x="{label_w}" y="{height - 6}" font-size="11">steps {steps[0]} to {steps[-1]}</text>' if steps else ""
     )
     parts.append("</svg>")
     return "\n".join(parts)
@@ -274,14 +270,24 @@ def _html(steps, summaries, grids, events, label: str) -> str:
             continue
         name = "values" if direction == "forward" else "cotangents"
         sections.append(
-            _heatmap_svg(f"{direction}: headroom (bits) of {name}, {label}", grid["scopes"], steps,
-                         grid["headroom_bits"],
-                         _headroom_colour, "bits")  # fmt: skip
+            _heatmap_svg(
+                f"{direction}: headroom (bits) of {name}, {label}",
+                grid["scopes"],
+                steps,
+                grid["headroom_bits"],
+                _headroom_colour,
+                "bits",
+            )  # fmt: skip
         )
         sections.append(
-            _heatmap_svg(f"{direction}: underflow fraction of {name}, {label}", grid["scopes"], steps,
-                         grid["underflow"],
-                         _underflow_colour, "")  # fmt: skip
+            _heatmap_svg(
+                f"{direction}: underflow fraction of {name}, {label}",
+                grid["scopes"],
+                steps,
+                grid["underflow"],
+                _underflow_colour,
+                "",
+            )  # fmt: skip
         )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>jaxamp numerics report</title>

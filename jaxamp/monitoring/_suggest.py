@@ -63,9 +63,7 @@ class PolicySuggestion:
         The table is keyed by `jax.named_scope` name: a path's innermost name
         (every scope of that name matches).
         """
-        return {
-            s.scope.split("/")[-1]: "use_original_precision" for s in self.keep_float32 if _is_named(s.scope)
-        }
+        return {s.scope.split("/")[-1]: "use_original_precision" for s in self.keep_float32 if _is_named(s.scope)}
 
     def __str__(self) -> str:
         first, last = (self.steps[0], self.steps[-1]) if self.steps else (None, None)
@@ -139,9 +137,7 @@ def suggest_policy(records: Any, *, stable_bits: float = 1.0) -> PolicySuggestio
     records = load_records(records)
     stats = [r for r in records if r["kind"] == "stats"]
     if not stats:
-        raise ValueError(
-            "suggest_policy: the records hold no statistics (record MonitorStats with a MonitorRecorder)."
-        )
+        raise ValueError("suggest_policy: the records hold no statistics (record MonitorStats with a MonitorRecorder).")
     scales = sorted((r["step"], r["loss_scale"]) for r in records if r["kind"] == "loss_scale" and r["loss_scale"])
     return PolicySuggestion(
         keep_float32=_keep_float32(stats),

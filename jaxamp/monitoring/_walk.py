@@ -196,9 +196,7 @@ def _constant_values(jaxpr: Any) -> set:
     return constant
 
 
-def _measure_var(
-    state: _Walk, v: Any, producers: dict, constant: set, read, source: tuple | None = None
-) -> Any:
+def _measure_var(state: _Walk, v: Any, producers: dict, constant: set, read, source: tuple | None = None) -> Any:
     """`measure` of the value of `v`, from the smaller value it was broadcast from if it was.
 
     A broadcast's statistics are its operand's, counts multiplied: cheaper, and

@@ -106,17 +106,12 @@ def low_precision_params(
         _check_leaves("parameter", params)
         compensation = None
         if rounding == "kahan":
-            compensation = jax.tree.map(
-                lambda p: optax.MaskedNode() if p.dtype == _F32 else jnp.zeros_like(p), params
-            )
+            compensation = jax.tree.map(lambda p: optax.MaskedNode() if p.dtype == _F32 else jnp.zeros_like(p), params)
         return LowPrecisionParamsState(inner.init(_upcast(params)), compensation, key)
 
     def update(grads, state: LowPrecisionParamsState, params=None, **extra_args):
         if params is None:
-            raise ValueError(
-                f"{owner} computes each new value from the parameters: call "
-                "update(grads, state, params)."
-            )
+            raise ValueError(f"{owner} computes each new value from the parameters: call update(grads, state, params).")
         params = array_part(params)
         _check_leaves("parameter", params)
         _check_leaves("gradient", grads)
@@ -130,8 +125,7 @@ def low_precision_params(
         compensation = treedef.flatten_up_to(state.compensation) if kahan else [None] * n
         next_key, keys = leaf_keys(state.key, n) if key is not None else (None, [None] * n)
         results = [
-            _round_step(*args, rounding)
-            for args in zip(leaves, treedef.flatten_up_to(steps), compensation, keys)
+            _round_step(*args, rounding) for args in zip(leaves, treedef.flatten_up_to(steps), compensation, keys)
         ]
         updates = treedef.unflatten([u for u, _ in results])
         compensation = treedef.unflatten([c for _, c in results]) if kahan else None

@@ -127,9 +127,7 @@ def storage_dtype(what: str, value: Any) -> np.dtype:
     except (TypeError, ValueError):
         dtype = None
     if value is None or dtype not in STORAGE_DTYPES:
-        raise TypeError(
-            f"{what} must be one of {_STORAGE_NAMES} (or a name such as 'bf16'), got {value!r}."
-        )
+        raise TypeError(f"{what} must be one of {_STORAGE_NAMES} (or a name such as 'bf16'), got {value!r}.")
     return dtype
 
 
@@ -151,9 +149,7 @@ def check_rounding(owner: str, rounding: Any, key: Any, allowed: tuple[str, ...]
         TypeError: a key that is not a single PRNG key.
     """
     if not isinstance(rounding, str) or rounding not in allowed:
-        raise ValueError(
-            f"{owner}: rounding must be one of {', '.join(map(repr, allowed))}, got {rounding!r}."
-        )
+        raise ValueError(f"{owner}: rounding must be one of {', '.join(map(repr, allowed))}, got {rounding!r}.")
     if rounding != "stochastic":
         if key is not None:
             raise ValueError(
@@ -163,16 +159,13 @@ def check_rounding(owner: str, rounding: Any, key: Any, allowed: tuple[str, ...]
         return None
     if key is None:
         raise ValueError(
-            f"{owner}: rounding='stochastic' draws random numbers and needs a PRNG key, "
-            "e.g. key=jax.random.key(0)."
+            f"{owner}: rounding='stochastic' draws random numbers and needs a PRNG key, e.g. key=jax.random.key(0)."
         )
     dtype = getattr(key, "dtype", None)
     typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
     legacy = dtype == np.uint32 and jnp.shape(key) == (2,)
     if not ((typed and jnp.shape(key) == ()) or legacy):
-        raise TypeError(
-            f"{owner}: key must be a single PRNG key such as jax.random.key(0), got {key!r}."
-        )
+        raise TypeError(f"{owner}: key must be a single PRNG key such as jax.random.key(0), got {key!r}.")
     return key
 
 

@@ -171,8 +171,7 @@ class Policy:
         """
         if not isinstance(policy, str):
             raise TypeError(
-                f"Policy.from_string expects a string ({_EXAMPLES}), got {policy!r} "
-                f"of type {type(policy).__name__}."
+                f"Policy.from_string expects a string ({_EXAMPLES}), got {policy!r} of type {type(policy).__name__}."
             )
         if not policy.strip():
             raise ValueError(f"Empty policy string {policy!r}: expected {_EXAMPLES}.")
@@ -191,14 +190,10 @@ class Policy:
                 )
             field = _KEY_TO_FIELD.get(key)
             if field is None:
-                raise ValueError(
-                    f"Unknown key {key!r} in policy {policy!r}: expected {_EXPECTED_KEYS}."
-                )
+                raise ValueError(f"Unknown key {key!r} in policy {policy!r}: expected {_EXPECTED_KEYS}.")
             if field in dtypes:
                 # "p=f32,params=bf16" is as ambiguous as "p=f32,p=bf16".
-                raise ValueError(
-                    f"Repeated key {key!r} in policy {policy!r}: {field} is already set."
-                )
+                raise ValueError(f"Repeated key {key!r} in policy {policy!r}: {field} is already set.")
             dtypes[field] = _parse_policy_dtype(value, policy)
 
         param = dtypes.get("param_dtype", np.dtype(np.float32))
@@ -240,8 +235,7 @@ def get_policy(policy: Policy | str) -> Policy:
     if isinstance(policy, str):
         return Policy.from_string(policy)
     raise TypeError(
-        f"get_policy expects a Policy or a policy string ({_EXAMPLES}), got {policy!r} "
-        f"of type {type(policy).__name__}."
+        f"get_policy expects a Policy or a policy string ({_EXAMPLES}), got {policy!r} of type {type(policy).__name__}."
     )
 
 

@@ -75,9 +75,7 @@ _FIELD_RULES: dict[str, tuple[Any, float, bool]] = {
 
 def _check_field(name: str, value: Any) -> jax.Array:
     dtype, lower, inclusive = _FIELD_RULES[name]
-    return checked_scalar(
-        f"DynamicScalerState {name}", value, dtype, lower=lower, inclusive=inclusive
-    )
+    return checked_scalar(f"DynamicScalerState {name}", value, dtype, lower=lower, inclusive=inclusive)
 
 
 class DynamicScalerState(_Fields):
@@ -127,9 +125,7 @@ class DynamicScalerState(_Fields):
         max_scaler: Any = 2.0**24,
     ) -> DynamicScalerState:
         values = (patience, adjust_factor, scaler, count, total_resets, min_scaler, max_scaler)
-        state = tuple.__new__(
-            cls, tuple(_check_field(name, value) for name, value in zip(cls._fields, values))
-        )
+        state = tuple.__new__(cls, tuple(_check_field(name, value) for name, value in zip(cls._fields, values)))
         check_scale_bounds(
             "DynamicScalerState",
             ("scaler", state.scaler),
@@ -160,8 +156,7 @@ DynamicLossScaler = DynamicScalerState
 def checked_scaler_state(state: Any) -> DynamicScalerState:
     if not isinstance(state, DynamicScalerState):
         raise TypeError(
-            "dynamic_scaler_state must be a jaxamp.DynamicScalerState, got "
-            f"{type(state).__name__}: {state!r}."
+            f"dynamic_scaler_state must be a jaxamp.DynamicScalerState, got {type(state).__name__}: {state!r}."
         )
     # Re-validate: states rebuilt with `_replace` or `tree_map` skipped `__new__`.
     return DynamicScalerState(*state)
@@ -229,8 +224,7 @@ def default_unscale_fn(results: Any, state: DynamicScalerState) -> Any:
 def _check_redo_on_nan(redo_on_nan: Any) -> None:
     if isinstance(redo_on_nan, bool) or not isinstance(redo_on_nan, int):
         raise TypeError(
-            f"redo_on_nan must be a non-negative int, got {redo_on_nan!r} of type "
-            f"{type(redo_on_nan).__name__}."
+            f"redo_on_nan must be a non-negative int, got {redo_on_nan!r} of type {type(redo_on_nan).__name__}."
         )
     if redo_on_nan < 0:
         raise ValueError(f"redo_on_nan must be a non-negative int, got {redo_on_nan}.")
@@ -275,9 +269,7 @@ def _redo_until_finite(
         flat, layout["treedef"] = jax.tree_util.tree_flatten(result._replace(results=arrays))
         return flat
 
-    traced = _compat.trace_to_closed_jaxpr(
-        flat_attempt, [_compat.abstract_value(leaf) for leaf in state_leaves]
-    )
+    traced = _compat.trace_to_closed_jaxpr(flat_attempt, [_compat.abstract_value(leaf) for leaf in state_leaves])
     run_attempt = _compat.jaxpr_as_fun(traced)
 
     def body(carry):
@@ -421,6 +413,7 @@ class _Layout(NamedTuple):
 
 def _layout(has_aux: bool, with_value: bool) -> _Layout:
     if has_aux:
+
         def split(results):
             (value, aux), grads = results
             return (value, grads), lambda scaled: ((scaled[0], aux), scaled[1])
@@ -428,6 +421,7 @@ def _layout(has_aux: bool, with_value: bool) -> _Layout:
         value = lambda results: results[0][0]  # noqa: E731
         grads_and_aux = lambda results: (results[1], results[0][1])  # noqa: E731
     else:
+
         def split(results):
             return results, lambda scaled: scaled
 
@@ -544,8 +538,13 @@ def dynamic_scale_grad(
             without ``axis_name`` (see `jaxamp.all_finite`).
     """
     return _aux_aware_tx(
-        fun, with_value=False, has_aux=has_aux, redo_on_nan=redo_on_nan, filter=filter,
-        axis_name=axis_name, kwargs=kwargs,
+        fun,
+        with_value=False,
+        has_aux=has_aux,
+        redo_on_nan=redo_on_nan,
+        filter=filter,
+        axis_name=axis_name,
+        kwargs=kwargs,
     )
 
 
@@ -586,6 +585,11 @@ def dynamic_scale_value_and_grad(
         TypeError, ValueError: as for `dynamic_scale_grad`.
     """
     return _aux_aware_tx(
-        fun, with_value=True, has_aux=has_aux, redo_on_nan=redo_on_nan, filter=filter,
-        axis_name=axis_name, kwargs=kwargs,
+        fun,
+        with_value=True,
+        has_aux=has_aux,
+        redo_on_nan=redo_on_nan,
+        filter=filter,
+        axis_name=axis_name,
+        kwargs=kwargs,
     )

@@ -78,11 +78,7 @@ def local_all_finite(tree: Any) -> jax.Array:
     The same check as `all_finite` without the reduction across devices: inside
     `shard_map` or `pmap` its answer may differ from one device to the next.
     """
-    checks = [
-        jnp.all(jnp.isfinite(leaf))
-        for leaf in jax.tree_util.tree_leaves(tree)
-        if is_inexact_leaf(leaf)
-    ]
+    checks = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree_util.tree_leaves(tree) if is_inexact_leaf(leaf)]
     if not checks:
         return jnp.array(True)
     return jnp.stack(checks).all()
@@ -234,9 +230,7 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     """
     shape, dtype = jnp.shape(pred), jnp.result_type(pred)
     if shape != () or dtype != jnp.bool_:
-        raise AssertionError(
-            f"expected boolean scalar for the select predicate, got {dtype}{list(shape)}"
-        )
+        raise AssertionError(f"expected boolean scalar for the select predicate, got {dtype}{list(shape)}")
     return jax.tree_util.tree_map(lambda x, y: _select_leaf(pred, x, y), a, b)
 
 
@@ -282,9 +276,7 @@ def _concrete(value: Any) -> np.ndarray | None:
         return None
 
 
-def checked_scalar(
-    what: str, value: Any, dtype: Any, *, lower: float, inclusive: bool = True
-) -> jax.Array:
+def checked_scalar(what: str, value: Any, dtype: Any, *, lower: float, inclusive: bool = True) -> jax.Array:
     """Validate a user-given scale or counter and return it as a `dtype` scalar array.
 
     Scaler state must have fixed dtypes to be carried through `jit` and
@@ -310,16 +302,10 @@ def checked_scalar(
     """
     floating = jnp.issubdtype(dtype, jnp.floating)
     expected = "a float or int" if floating else "an int"
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, jax.Array, np.ndarray, np.generic)
-    ):
-        raise TypeError(
-            f"{what} must be {expected} scalar, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
-    kind_ok = (
-        isinstance(value, int)
-        or jnp.issubdtype(jnp.result_type(value), jnp.integer if not floating else jnp.floating)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, jax.Array, np.ndarray, np.generic)):
+        raise TypeError(f"{what} must be {expected} scalar, got {value!r} of type {type(value).__name__}.")
+    kind_ok = isinstance(value, int) or jnp.issubdtype(
+        jnp.result_type(value), jnp.integer if not floating else jnp.floating
     )
     if not kind_ok:
         raise TypeError(
@@ -337,9 +323,7 @@ def checked_scalar(
     return jnp.asarray(value, dtype=dtype)
 
 
-def check_scale_bounds(
-    what: str, scale: tuple[str, Any], lower: tuple[str, Any], upper: tuple[str, Any]
-) -> None:
+def check_scale_bounds(what: str, scale: tuple[str, Any], lower: tuple[str, Any], upper: tuple[str, Any]) -> None:
     """Check ``lower <= upper`` and ``lower <= scale <= upper``, for concrete values.
 
     Each argument is a ``(name, value)`` pair, so the message names the fields as

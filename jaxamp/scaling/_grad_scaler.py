@@ -55,9 +55,7 @@ _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 def _real_number(name: str, value: Any) -> float:
     # Settings are given as Python numbers, validated, then carried as arrays.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a Python float, got {value!r} of type {type(value).__name__}."
-        )
+        raise TypeError(f"{name} must be a Python float, got {value!r} of type {type(value).__name__}.")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}.")
     return float(value)
@@ -79,10 +77,7 @@ def _check_backoff_factor(value: Any) -> float:
 
 def _check_growth_interval(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"growth_interval must be a positive int, got {value!r} of type "
-            f"{type(value).__name__}."
-        )
+        raise TypeError(f"growth_interval must be a positive int, got {value!r} of type {type(value).__name__}.")
     if value <= 0:
         raise ValueError(f"growth_interval must be a positive int, got {value}.")
     return int(value)
@@ -103,19 +98,14 @@ def _check_bounds(min_scale: Any, max_scale: Any) -> tuple[float, float]:
     if not min_scale > 0.0:
         raise ValueError(f"min_scale must be > 0.0, got {min_scale}.")
     if not min_scale <= max_scale:
-        raise ValueError(
-            f"min_scale must be <= max_scale, got min_scale={min_scale} and "
-            f"max_scale={max_scale}."
-        )
+        raise ValueError(f"min_scale must be <= max_scale, got min_scale={min_scale} and max_scale={max_scale}.")
     return min_scale, max_scale
 
 
 def _check_scale_in_bounds(
     name: str, scale: jax.Array, min_scale: float | jax.Array, max_scale: float | jax.Array
 ) -> None:
-    check_scale_bounds(
-        "GradScaler", (name, scale), ("min_scale", min_scale), ("max_scale", max_scale)
-    )
+    check_scale_bounds("GradScaler", (name, scale), ("min_scale", min_scale), ("max_scale", max_scale))
 
 
 class GradScaler(eqx.Module):
@@ -217,9 +207,7 @@ class GradScaler(eqx.Module):
 
         def scale_leaf(leaf):
             if not is_inexact_leaf(leaf):
-                raise TypeError(
-                    f"GradScaler.scale expects floating-point values, got {leaf!r}."
-                )
+                raise TypeError(f"GradScaler.scale expects floating-point values, got {leaf!r}.")
             leaf = jnp.asarray(leaf)
             return leaf * self._scale.astype(leaf.dtype)
 
@@ -253,9 +241,7 @@ class GradScaler(eqx.Module):
             return (leaf.astype(jnp.float32) * inv_scale).astype(leaf.dtype)
 
         unscaled = map_gradients(unscale_leaf, grads)
-        finite = on_every_device(
-            local_all_finite(unscaled), self._axis_name, what="GradScaler.unscale"
-        )
+        finite = on_every_device(local_all_finite(unscaled), self._axis_name, what="GradScaler.unscale")
         found_inf = jnp.logical_not(finite)
         return unscaled, self._replace(_found_inf=found_inf, _stage=_UNSCALED)
 
@@ -335,9 +321,7 @@ class GradScaler(eqx.Module):
             _check_scale_in_bounds("new_scale", scale, self._min_scale, self._max_scale)
             return self._replace(_scale=scale, **ready)
         if self._stage == _READY:
-            raise RuntimeError(
-                "No inf checks were recorded prior to update(); call step() or unscale() first."
-            )
+            raise RuntimeError("No inf checks were recorded prior to update(); call step() or unscale() first.")
         # torch grows when `growth_tracker + 1 >= growth_interval`.
         scale, tracker = next_scale(
             self._scale,
@@ -428,16 +412,12 @@ class GradScaler(eqx.Module):
             return self
         if not state_dict:
             raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a "
-                "disabled GradScaler."
+                "The source state dict is empty, possibly because it was saved from a disabled GradScaler."
             )
-        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval",
-                   "_growth_tracker"} - set(state_dict)
+        missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - set(state_dict)
         if missing:
             raise KeyError(f"GradScaler state dict is missing {sorted(missing)}.")
-        tracker = checked_scalar(
-            "GradScaler _growth_tracker", state_dict["_growth_tracker"], jnp.int32, lower=0
-        )
+        tracker = checked_scalar("GradScaler _growth_tracker", state_dict["_growth_tracker"], jnp.int32, lower=0)
         min_scale, max_scale = _check_bounds(
             state_dict.get("min_scale", float(self._min_scale)),
             state_dict.get("max_scale", float(self._max_scale)),

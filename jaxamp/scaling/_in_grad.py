@@ -73,10 +73,7 @@ unscale_on_backward.defvjp(_scale_fwd, _unscale_bwd)
 
 def wrap_floating(values: list, scale: jax.Array, wrap: Any) -> list:
     """`wrap(value, scale)` on each floating array of `values`; the rest as they are."""
-    return [
-        wrap(v, scale) if is_inexact_leaf(v) and not isinstance(v, (float, complex)) else v
-        for v in values
-    ]
+    return [wrap(v, scale) if is_inexact_leaf(v) and not isinstance(v, (float, complex)) else v for v in values]
 
 
 def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:

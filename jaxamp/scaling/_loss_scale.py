@@ -191,9 +191,7 @@ class DynamicLossScale:
         """Every leaf of `tree` times ``1 / loss_scale``."""
         return _scale_leaves(tree, 1 / self.loss_scale)
 
-    def adjust(
-        self, grads_finite: jax.Array, axis_name: AxisName | None = None
-    ) -> DynamicLossScale:
+    def adjust(self, grads_finite: jax.Array, axis_name: AxisName | None = None) -> DynamicLossScale:
         """The next loss scale, given whether this step's gradients were finite.
 
         Args:
@@ -213,9 +211,7 @@ class DynamicLossScale:
         """
         assert grads_finite.ndim == 0, "Expected boolean scalar"
         if grads_finite.dtype == jnp.bool_:
-            grads_finite = on_every_device(
-                grads_finite, axis_name, what="DynamicLossScale.adjust"
-            )
+            grads_finite = on_every_device(grads_finite, axis_name, what="DynamicLossScale.adjust")
         # jmp grows on the `period`-th finite step in a row: after `period - 1`
         # finite steps that did not grow. jmp has no upper bound; growth that
         # would overflow to inf is refused, as in jmp.

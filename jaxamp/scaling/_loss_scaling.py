@@ -145,13 +145,10 @@ def loss_scaling(
     def update(grads: Any, state: LossScaleState, params: Any = None, **extra_args: Any):
         if not isinstance(state, LossScaleState):
             raise TypeError(
-                "jaxamp.loss_scaling's update expects the LossScaleState its init made, "
-                f"got {type(state).__name__}."
+                f"jaxamp.loss_scaling's update expects the LossScaleState its init made, got {type(state).__name__}."
             )
         finite = gradients_finite(grads, axis_name, what="jaxamp.loss_scaling")
-        updates, inner_state = update_if_finite(
-            inner, finite, grads, state.inner_state, params, **extra_args
-        )
+        updates, inner_state = update_if_finite(inner, finite, grads, state.inner_state, params, **extra_args)
         return updates, LossScaleState(
             inner_state=inner_state,
             scaler_state=next_scaler_state(state.scaler_state, finite),
@@ -190,21 +187,19 @@ def find_scaler_state(tree: Any, what: str = "loss_scale") -> DynamicScalerState
         ValueError: no `LossScaleState` (nor `DynamicScalerState`) in `tree`, or
             more than one.
     """
-    found = [
-        leaf
-        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_scale_state)
-        if _is_scale_state(leaf)
-    ]
+    found = [leaf for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_scale_state) if _is_scale_state(leaf)]
     if len(found) != 1:
         problem = "holds no" if not found else f"holds {len(found)} loss scales:"
         raise ValueError(
             f"{what} must be an optimizer state holding exactly one jaxamp.LossScaleState "
             f"(the state of jaxamp.loss_scaling(optimizer)), a jaxamp.DynamicScalerState "
             f"or a scale array; got a {type(tree).__name__} that {problem} "
-            + ("LossScaleState. Wrap the optimizer in jaxamp.loss_scaling."
-               if not found else
-               "wrap only one optimizer in jaxamp.loss_scaling, or pass the one scale "
-               "to use (e.g. opt_state.scale).")
+            + (
+                "LossScaleState. Wrap the optimizer in jaxamp.loss_scaling."
+                if not found
+                else "wrap only one optimizer in jaxamp.loss_scaling, or pass the one scale "
+                "to use (e.g. opt_state.scale)."
+            )
         )
     (state,) = found
     return state.scaler_state if isinstance(state, LossScaleState) else state

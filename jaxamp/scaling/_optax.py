@@ -128,9 +128,7 @@ def skip_nonfinite_updates(
 
     def update(grads, state: SkipNonFiniteState, params=None, **extra_args):
         finite = gradients_finite(grads, axis_name, what="skip_nonfinite_updates")
-        updates, inner_state = update_if_finite(
-            inner, finite, grads, state.inner_state, params, **extra_args
-        )
+        updates, inner_state = update_if_finite(inner, finite, grads, state.inner_state, params, **extra_args)
         skipped = (~finite).astype(jnp.int32)
         return updates, SkipNonFiniteState(
             inner_state=inner_state,

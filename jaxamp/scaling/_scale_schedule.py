@@ -96,9 +96,7 @@ def next_scale(
         )
     finite = jnp.asarray(finite)
     if finite.shape != () or finite.dtype != jnp.bool_:
-        raise TypeError(
-            f"finite must be a boolean scalar, got {finite.dtype}{list(finite.shape)}."
-        )
+        raise TypeError(f"finite must be a boolean scalar, got {finite.dtype}{list(finite.shape)}.")
     scale, counter = jnp.asarray(scale), jnp.asarray(counter)
     grow = finite & (counter >= patience)
     # Overflow is judged in the scale's own dtype: that is the value stored.

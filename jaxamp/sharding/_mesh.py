@@ -179,9 +179,7 @@ def _collect_names(item: Any, names: dict[str, None]) -> None:
         for value in item:
             _collect_names(value, names)
     else:
-        leaves = jax.tree_util.tree_leaves(
-            item, is_leaf=lambda x: isinstance(x, PartitionSpec)
-        )
+        leaves = jax.tree_util.tree_leaves(item, is_leaf=lambda x: isinstance(x, PartitionSpec))
         # A non-container leaf comes back as itself: nothing we know how to read.
         if leaves == [item]:
             raise TypeError(
@@ -225,8 +223,7 @@ def _set_mesh_concrete() -> Mesh | None:
 def _check_axis_names(axis_names: Sequence[str]) -> tuple[str, ...]:
     if isinstance(axis_names, str):
         raise TypeError(
-            f"axis_names must be a sequence of names such as ('dp', 'fsdp'), got the "
-            f"string {axis_names!r}."
+            f"axis_names must be a sequence of names such as ('dp', 'fsdp'), got the string {axis_names!r}."
         )
     names = tuple(axis_names)
     for name in names:
@@ -238,15 +235,12 @@ def _check_axis_names(axis_names: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def _resolve_axis_dims(
-    axis_dims: Sequence[int], names: tuple[str, ...], device_count: int
-) -> tuple[int, ...]:
+def _resolve_axis_dims(axis_dims: Sequence[int], names: tuple[str, ...], device_count: int) -> tuple[int, ...]:
     """Check the sizes against `names` and the device count; fill in the -1."""
     dims = tuple(axis_dims)
     if len(dims) != len(names):
         raise ValueError(
-            f"axis_dims {dims} has {len(dims)} entries but axis_names {names} has "
-            f"{len(names)}; give one size per axis."
+            f"axis_dims {dims} has {len(dims)} entries but axis_names {names} has {len(names)}; give one size per axis."
         )
     for dim in dims:
         # bool is an int subclass; True as a size is certainly a mistake.
@@ -254,8 +248,7 @@ def _resolve_axis_dims(
             raise ValueError(f"Mesh axis sizes must be integers, got {dim!r} in {dims}.")
         if dim != -1 and dim < 1:
             raise ValueError(
-                f"Mesh axis sizes must be positive or -1 (take the remaining devices), "
-                f"got {dim} in {dims}."
+                f"Mesh axis sizes must be positive or -1 (take the remaining devices), got {dim} in {dims}."
             )
     dims = tuple(int(dim) for dim in dims)
     if dims.count(-1) > 1:
@@ -283,21 +276,16 @@ def _parse_int(axis_dims: str, text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(
-            f"Cannot parse {text!r} in axis_dims {axis_dims!r} as an integer size."
-        ) from None
+        raise ValueError(f"Cannot parse {text!r} in axis_dims {axis_dims!r} as an integer size.") from None
 
 
-def _parse_named_dims(
-    axis_dims: str, entries: list[str], names: tuple[str, ...]
-) -> list[int]:
+def _parse_named_dims(axis_dims: str, entries: list[str], names: tuple[str, ...]) -> list[int]:
     sizes: dict[str, int] = {}
     for entry in entries:
         name, _, size = (part.strip() for part in entry.partition(":"))
         if name not in names:
             raise ValueError(
-                f"axis_dims {axis_dims!r} names axis {name!r}, which is not one of "
-                f"the mesh axis names {names}."
+                f"axis_dims {axis_dims!r} names axis {name!r}, which is not one of the mesh axis names {names}."
             )
         if name in sizes:
             raise ValueError(f"axis_dims {axis_dims!r} gives axis {name!r} more than once.")
@@ -305,9 +293,7 @@ def _parse_named_dims(
     return [sizes.get(name, 1) for name in names]
 
 
-def _make_mesh(
-    shape: tuple[int, ...], names: tuple[str, ...], devices: list, *, topology_aware: bool
-) -> Mesh:
+def _make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices: list, *, topology_aware: bool) -> Mesh:
     # Auto axes, as `Mesh(...)` has always made: `jax.make_mesh` defaults to Explicit
     # axes in current JAX, which would turn every sharding into part of the types.
     axis_types = (AxisType.Auto,) * len(shape)

@@ -16,9 +16,7 @@ from ._tree import named_tree_map
 __all__ = ["match_partition_rules", "with_sharding_constraint"]
 
 
-def match_partition_rules(
-    rules: Iterable[tuple[str | re.Pattern[str], PartitionSpec]], params: Any
-) -> Any:
+def match_partition_rules(rules: Iterable[tuple[str | re.Pattern[str], PartitionSpec]], params: Any) -> Any:
     """Give every leaf of `params` the PartitionSpec of the first rule it matches.
 
     Each leaf's path is rendered with `tree_path_to_string` and ``sep="/"``: a dict
@@ -77,21 +75,14 @@ def _compile_rules(
     compiled = []
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
-            raise TypeError(
-                f"Each partition rule must be a (regex, PartitionSpec) pair, got {rule!r}."
-            )
+            raise TypeError(f"Each partition rule must be a (regex, PartitionSpec) pair, got {rule!r}.")
         pattern, spec = rule
         if not isinstance(spec, PartitionSpec):
-            raise TypeError(
-                f"Partition rule {pattern!r} maps to {spec!r}, expected a "
-                "jax.sharding.PartitionSpec."
-            )
+            raise TypeError(f"Partition rule {pattern!r} maps to {spec!r}, expected a jax.sharding.PartitionSpec.")
         try:
             compiled.append((re.compile(pattern), spec))
         except (re.error, TypeError) as e:
-            raise ValueError(
-                f"Partition rule pattern {pattern!r} is not a valid regular expression: {e}."
-            ) from None
+            raise ValueError(f"Partition rule pattern {pattern!r} is not a valid regular expression: {e}.") from None
     return compiled
 
 
@@ -131,14 +122,10 @@ def with_sharding_constraint(x: Any, partition_specs: Any) -> Any:
 
     def to_sharding(spec: Any) -> NamedSharding:
         if not isinstance(spec, PartitionSpec):
-            raise TypeError(
-                f"with_sharding_constraint expects PartitionSpec leaves, got {spec!r}."
-            )
+            raise TypeError(f"with_sharding_constraint expects PartitionSpec leaves, got {spec!r}.")
         return NamedSharding(mesh, spec)
 
-    shardings = jax.tree_util.tree_map(
-        to_sharding, partition_specs, is_leaf=lambda s: isinstance(s, PartitionSpec)
-    )
+    shardings = jax.tree_util.tree_map(to_sharding, partition_specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
     explicit_mesh = any(t == AxisType.Explicit for t in axis_types.values())
     if explicit_mesh and all(axis_types[name] == AxisType.Explicit for name in names):
         return jax.sharding.reshard(x, shardings)

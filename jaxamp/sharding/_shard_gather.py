@@ -68,14 +68,9 @@ def make_shard_and_gather_fns(
     specs = [spec for _, spec in flat]
     for path, spec in zip(paths, specs):
         if not isinstance(spec, PartitionSpec):
-            raise TypeError(
-                f"partition_specs leaf at {path!r} is {spec!r}, expected a "
-                "jax.sharding.PartitionSpec."
-            )
+            raise TypeError(f"partition_specs leaf at {path!r} is {spec!r}, expected a jax.sharding.PartitionSpec.")
 
-    if dtype_specs is None or jax.tree_util.treedef_is_leaf(
-        jax.tree_util.tree_structure(dtype_specs)
-    ):
+    if dtype_specs is None or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(dtype_specs)):
         dtype_leaves = [_to_dtype(dtype_specs, where=None)] * len(specs)
     else:
         try:
@@ -87,9 +82,7 @@ def make_shard_and_gather_fns(
             ) from None
         dtype_leaves = [_to_dtype(d, where=path) for d, path in zip(dtype_leaves, paths)]
 
-    shard_fns = treedef.unflatten(
-        [_make_shard_fn(spec, dtype, mesh) for spec, dtype in zip(specs, dtype_leaves)]
-    )
+    shard_fns = treedef.unflatten([_make_shard_fn(spec, dtype, mesh) for spec, dtype in zip(specs, dtype_leaves)])
     gather_fns = treedef.unflatten([_make_gather_fn(dtype) for dtype in dtype_leaves])
     return shard_fns, gather_fns
 
@@ -131,9 +124,7 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _make_shard_fn(
-    spec: PartitionSpec, dtype: np.dtype | None, mesh: Mesh | None
-) -> Callable[[Any], Any]:
+def _make_shard_fn(spec: PartitionSpec, dtype: np.dtype | None, mesh: Mesh | None) -> Callable[[Any], Any]:
     def shard_fn(x: Any) -> Any:
         if not _is_array(x):
             return x
@@ -149,9 +140,7 @@ def _make_shard_fn(
         if dtype is not None:
             x = cast_floating(x, dtype)
         sharding = NamedSharding(target, spec)
-        if jax.process_count() > 1 and not (
-            isinstance(x, jax.Array) and not x.is_fully_addressable
-        ):
+        if jax.process_count() > 1 and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
             # Multi-host: every process holds the same host value; each one builds
             # only its own shards rather than asking device_put to move one copy.
             host = np.asarray(x)

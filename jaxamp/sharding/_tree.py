@@ -53,9 +53,7 @@ def _key_to_string(key: Any) -> str:
     return str(key)
 
 
-def flatten_tree(
-    xs: Any, is_leaf: Callable[[Any], bool] | None = None, sep: str | None = None
-) -> dict[Any, Any]:
+def flatten_tree(xs: Any, is_leaf: Callable[[Any], bool] | None = None, sep: str | None = None) -> dict[Any, Any]:
     """Flatten a pytree to a dict from leaf path to leaf.
 
     Example: ``flatten_tree({"a": {"b": 1}, "c": [2]}, sep="/")`` is

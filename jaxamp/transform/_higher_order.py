@@ -42,9 +42,7 @@ def _avals_like(original_avals: Sequence[Any], values: Sequence[Any]) -> list:
     return [_compat.with_dtype(a, dtype_of(v)) for a, v in zip(original_avals, values)]
 
 
-def _amp_body(
-    jaxpr: Any, consts: Sequence[Any], ctx: AmpContext, out_dtypes: Sequence[Any] | None = None
-) -> Callable:
+def _amp_body(jaxpr: Any, consts: Sequence[Any], ctx: AmpContext, out_dtypes: Sequence[Any] | None = None) -> Callable:
     """A flat function running `jaxpr` under amp, optionally casting its outputs."""
 
     def body(*args):
@@ -204,8 +202,7 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     def trace(carry_dtypes, cast_to):
         out_dtypes = None if cast_to is None else [*cast_to, *_out_dtypes(closed)[num_carry:]]
         carry_avals = [
-            _compat.with_dtype(a, d)
-            for a, d in zip(in_avals[num_consts : num_consts + num_carry], carry_dtypes)
+            _compat.with_dtype(a, d) for a, d in zip(in_avals[num_consts : num_consts + num_carry], carry_dtypes)
         ]
         avals = [
             *_avals_like(in_avals[:num_consts], consts),
@@ -223,9 +220,7 @@ def _scan(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
     if state is not None:
         return _scan_with_index(traced, params, consts, _cast_all(init, carry_dtypes), xs)
     new_params = _compat.scan_params_with_extra_consts(params, traced.closed, len(traced.hoisted))
-    return _compat.scan_p.bind(
-        *traced.hoisted, *consts, *_cast_all(init, carry_dtypes), *xs, **new_params
-    )
+    return _compat.scan_p.bind(*traced.hoisted, *consts, *_cast_all(init, carry_dtypes), *xs, **new_params)
 
 
 class _Traced(NamedTuple):
@@ -275,7 +270,11 @@ def _scan_with_index(traced: _Traced, params: dict, consts: list, init: list, xs
 
     iterations = jnp.arange(length, dtype=np.int32)
     carry, ys = jax.lax.scan(
-        step, list(init), (list(xs), iterations), length=length, reverse=params["reverse"],
+        step,
+        list(init),
+        (list(xs), iterations),
+        length=length,
+        reverse=params["reverse"],
         unroll=params.get("unroll", 1),
     )
     return [*carry, *ys]
@@ -351,8 +350,12 @@ def _while(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         body_nconsts=body_n + len(traced.hoisted),
     )
     return _compat.while_p.bind(
-        *cond_hoisted, *cond_consts, *traced.hoisted, *body_consts,
-        *_cast_all(init, carry_dtypes), **new_params,
+        *cond_hoisted,
+        *cond_consts,
+        *traced.hoisted,
+        *body_consts,
+        *_cast_all(init, carry_dtypes),
+        **new_params,
     )
 
 
@@ -367,10 +370,7 @@ def _cond(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         chosen = branches[int(min(max(int(index), 0), len(branches) - 1))]
         return interpret(chosen.jaxpr, chosen.consts, ops, ctx)
     traced = [
-        _compat.trace_to_closed_jaxpr(
-            _amp_body(b.jaxpr, b.consts, ctx), _avals_like(b.in_avals, ops)
-        )
-        for b in branches
+        _compat.trace_to_closed_jaxpr(_amp_body(b.jaxpr, b.consts, ctx), _avals_like(b.in_avals, ops)) for b in branches
     ]
     # Branches must agree on output types: where amp left them disagreeing, all
     # return the dtype the user's program had.
@@ -422,8 +422,9 @@ def _custom_jvp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         zeros = [isinstance(t, _compat.SymbolicZero) for t in tangents]
         jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
         nonzero = [t for t in tangents if not isinstance(t, _compat.SymbolicZero)]
-        with tangents_of(jvp_jaxpr, jvp_jaxpr.invars[len(primals) :]), _site_state.paused(
-            _IN_CUSTOM_RULE % "jax.custom_jvp"
+        with (
+            tangents_of(jvp_jaxpr, jvp_jaxpr.invars[len(primals) :]),
+            _site_state.paused(_IN_CUSTOM_RULE % "jax.custom_jvp"),
         ):
             out = interpret(jvp_jaxpr, jvp_consts, [*primals, *nonzero], ctx)
         out_primals = _cast_all(out[: len(out_zeros)], out_dtypes)

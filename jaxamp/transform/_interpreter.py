@@ -228,9 +228,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         with _compat.eqn_source(eqn):
             if handler is not None:
                 call_inputs = plan.call_inputs.get(i)
-                nested = ctx.nested(
-                    eqn, None if call_inputs is None else (_compat.call_body(eqn), call_inputs), invals
-                )
+                nested = ctx.nested(eqn, None if call_inputs is None else (_compat.call_body(eqn), call_inputs), invals)
                 if in_tail and not nested.tail:
                     nested = dataclasses.replace(nested, tail=True)
                 outvals = _run_handler(handler, ctx, nested, eqn, invals)
@@ -330,10 +328,7 @@ def _expands(eqn: Any) -> bool:
     if eqn.effects or _compat.call_body(eqn) is not None or len(eqn.outvars) != 1:
         return False
     size = math.prod(getattr(eqn.outvars[0].aval, "shape", ()))
-    return all(
-        isinstance(v, _compat.Literal) or math.prod(getattr(v.aval, "shape", ())) < size
-        for v in eqn.invars
-    )
+    return all(isinstance(v, _compat.Literal) or math.prod(getattr(v.aval, "shape", ())) < size for v in eqn.invars)
 
 
 def _last_uses(jaxpr: Any) -> dict[Any, int]:
@@ -438,9 +433,7 @@ def _structure(eqns: list, inputs: list, outputs: list) -> tuple:
                 operands.append(("literal", literal.dtype.str, literal.tobytes()))
             else:
                 operands.append(where[v])
-        parts.append(
-            (eqn.primitive, tuple(sorted(eqn.params.items())), tuple(operands), _compat.eqn_scopes(eqn))
-        )
+        parts.append((eqn.primitive, tuple(sorted(eqn.params.items())), tuple(operands), _compat.eqn_scopes(eqn)))
         for k, v in enumerate(eqn.outvars):
             where[v] = ("eqn", position, k)
     return tuple(parts), tuple(where[v] for v in outputs)
@@ -450,19 +443,13 @@ def _for_program(ctx: AmpContext, jaxpr: Any) -> AmpContext:
     # Rules that decide by the whole program (see `EquationRewrite`). The new
     # table is part of the key of amp's cache of rewritten bodies, so a body
     # rewritten for one program is not reused for another.
-    specialised = {
-        key: rule.for_program(jaxpr)
-        for key, rule in ctx.policy.items()
-        if hasattr(rule, "for_program")
-    }
+    specialised = {key: rule.for_program(jaxpr) for key, rule in ctx.policy.items() if hasattr(rule, "for_program")}
     if not specialised:
         return ctx
     return dataclasses.replace(ctx, policy=PolicyTable({**ctx.policy, **specialised}))
 
 
-def _run_handler(
-    handler: Handler, ctx: AmpContext, nested: AmpContext, eqn: Any, invals: list
-) -> Any:
+def _run_handler(handler: Handler, ctx: AmpContext, nested: AmpContext, eqn: Any, invals: list) -> Any:
     try:
         return handler(nested, eqn, invals)
     except _compat.JaxInternalsChanged as err:

@@ -115,9 +115,7 @@ class GraphCall:
             bound = _Argument(0)
         self._fn = fn
 
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(
-            (args, kwargs), is_leaf=_compat.nnx_is_object
-        )
+        leaves, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_compat.nnx_is_object)
         marked = []
         for keypath, leaf in leaves:
             if _compat.nnx_is_object(leaf):
@@ -164,9 +162,7 @@ class GraphCall:
             raise self._structure_error(before.paths, after.paths)
         # A value fn did not replace is the very object merged in: nnx.jit's test.
         changed = [
-            (path, leaf)
-            for (path, leaf), old in zip(after, before_values)
-            if _compat.nnx_raw_value(leaf) is not old
+            (path, leaf) for (path, leaf), old in zip(after, before_values) if _compat.nnx_raw_value(leaf) is not old
         ]
         self._changed_paths = [path for path, _ in changed]
         out, created = self._export(out, copies)
@@ -226,9 +222,7 @@ class GraphCall:
             return out
         by_path = dict(_compat.nnx_iter_graph(self._nodes))
         new = nnx.merge(self._created_graphdef, created) if created is not None else ()
-        return _replace_markers(
-            out, lambda m: by_path[m.path] if isinstance(m, _Existing) else new[m.index]
-        )
+        return _replace_markers(out, lambda m: by_path[m.path] if isinstance(m, _Existing) else new[m.index])
 
     def _export(self, out: Any, copies: tuple) -> tuple[Any, Any]:
         # nnx objects in fn's output: those of the arguments (or inside them) come
@@ -237,29 +231,15 @@ class GraphCall:
         leaves, treedef = jax.tree_util.tree_flatten(out, is_leaf=_compat.nnx_is_object)
         if not any(_compat.nnx_is_object(leaf) for leaf in leaves):
             return out, None
-        paths = {
-            id(node): path
-            for path, node in _compat.nnx_iter_graph(copies)
-            if _compat.nnx_is_object(node)
-        }
+        paths = {id(node): path for path, node in _compat.nnx_iter_graph(copies) if _compat.nnx_is_object(node)}
         created = list(
-            {
-                id(leaf): leaf
-                for leaf in leaves
-                if _compat.nnx_is_object(leaf) and id(leaf) not in paths
-            }.values()
+            {id(leaf): leaf for leaf in leaves if _compat.nnx_is_object(leaf) and id(leaf) not in paths}.values()
         )
-        shared = {
-            paths[id(node)]
-            for _, node in _compat.nnx_iter_graph(tuple(created))
-            if id(node) in paths
-        }
+        shared = {paths[id(node)] for _, node in _compat.nnx_iter_graph(tuple(created)) if id(node) in paths}
         if shared:
             # Name a shared submodule, not each of its Variables as well.
             outermost = sorted(
-                self._format_path(path)
-                for path in shared
-                if not any(path[:k] in shared for k in range(1, len(path)))
+                self._format_path(path) for path in shared if not any(path[:k] in shared for k in range(1, len(path)))
             )
             raise ValueError(
                 f"{self._owner}: fn returned a new nnx object holding {', '.join(outermost)} of "
@@ -286,11 +266,12 @@ class GraphCall:
         before_set, after_set = set(before), set(after)
         added = [self._format_path(p) for p in after if p not in before_set]
         removed = [self._format_path(p) for p in before if p not in after_set]
-        what = "; ".join(
-            f"{label} {', '.join(paths)}"
-            for label, paths in (("added", added), ("removed", removed))
-            if paths
-        ) or "changed a static attribute or a Variable's metadata"
+        what = (
+            "; ".join(
+                f"{label} {', '.join(paths)}" for label, paths in (("added", added), ("removed", removed)) if paths
+            )
+            or "changed a static attribute or a Variable's metadata"
+        )
         return ValueError(
             f"{self._owner}: fn changed the structure of the flax nnx objects passed to it "
             f"({what}). amp runs fn on copies of them inside its trace and carries "
@@ -304,9 +285,7 @@ class GraphCall:
     def _format_path(self, path: tuple) -> str:
         # Graph paths start at the index of the object among the call's nnx objects.
         index, *rest = path
-        return self._names[index] + "".join(
-            f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in rest
-        )
+        return self._names[index] + "".join(f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in rest)
 
 
 def _call_object(obj: Any, *args: Any, **kwargs: Any) -> Any:
@@ -320,9 +299,7 @@ def _argument_name(keypath: tuple) -> str:
 
 
 def _replace_markers(tree: Any, resolve: Callable[[Any], Any]) -> Any:
-    return jax.tree_util.tree_map(
-        lambda leaf: resolve(leaf) if _is_marker(leaf) else leaf, tree, is_leaf=_is_marker
-    )
+    return jax.tree_util.tree_map(lambda leaf: resolve(leaf) if _is_marker(leaf) else leaf, tree, is_leaf=_is_marker)
 
 
 # --- module paths as named scopes ------------------------------------------------
@@ -338,7 +315,8 @@ def _replace_markers(tree: Any, resolve: Callable[[Any], Any]) -> Any:
 # of the same classes outside amp, see only their own.
 
 _SCOPE_PATHS: contextvars.ContextVar[dict[int, tuple]] = contextvars.ContextVar(
-    "jaxamp_nnx_scope_paths", default={}  # noqa: B039 (never mutated: `module_scopes` sets a new dict)
+    "jaxamp_nnx_scope_paths",
+    default={},  # noqa: B039 (never mutated: `module_scopes` sets a new dict)
 )
 # The innermost scoped module being called: (its id, its graph path).
 _ENCLOSING: contextvars.ContextVar[tuple[int, tuple] | None] = contextvars.ContextVar(

@@ -41,15 +41,10 @@ __all__ = [
 Rule = Callable[..., tuple[Sequence[Any], dict[str, Any]]]
 
 
-def _cast_operands(
-    invars: Sequence[Any], original_dtypes: Sequence[Any], target, cast=cast_value
-) -> list:
+def _cast_operands(invars: Sequence[Any], original_dtypes: Sequence[Any], target, cast=cast_value) -> list:
     # Only operands the user's program had as castable floats move: an operand
     # that was float64 or an integer keeps whatever it is.
-    return [
-        cast(x, target(orig)) if is_castable(orig) else x
-        for x, orig in zip(invars, original_dtypes)
-    ]
+    return [cast(x, target(orig)) if is_castable(orig) else x for x, orig in zip(invars, original_dtypes)]
 
 
 def requested_accumulation(original_dtypes: Sequence[Any], params: Mapping[str, Any]) -> np.dtype | None:
@@ -187,9 +182,7 @@ def use_current_precision(compute_dtype, original_dtypes, *invars, **bind_params
         else:
             target[orig] = orig
     # Saturating: the operand moved down is often a constant (a mask value).
-    invars = _cast_operands(
-        invars, original_dtypes, lambda orig: target[np.dtype(orig)], cast=saturating_cast
-    )
+    invars = _cast_operands(invars, original_dtypes, lambda orig: target[np.dtype(orig)], cast=saturating_cast)
     return invars, bind_params
 
 
@@ -225,15 +218,40 @@ def use_full_range_precision(compute_dtype, original_dtypes, *invars, **bind_par
 # From PyTorch autocast's float32 list, in lax terms: ops whose accuracy suffers
 # in half precision (sums lose bits, log near 1 loses digits).
 _FULL_PRECISION_PRIMITIVES = (
-    "log", "log1p", "log2", "rsqrt", "erf_inv", "lgamma", "digamma", "igamma",
-    "igammac", "igamma_grad_a", "polygamma", "zeta",
-    "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta", "tan",
-    "acos", "asin", "acosh", "asinh", "atanh",
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+    "log",
+    "log1p",
+    "log2",
+    "rsqrt",
+    "erf_inv",
+    "lgamma",
+    "digamma",
+    "igamma",
+    "igammac",
+    "igamma_grad_a",
+    "polygamma",
+    "zeta",
+    "bessel_i0e",
+    "bessel_i1e",
+    "regularized_incomplete_beta",
+    "tan",
+    "acos",
+    "asin",
+    "acosh",
+    "asinh",
+    "atanh",
+    "reduce_sum",
+    "reduce_prod",
+    "cumsum",
+    "cumprod",
+    "cumlogsumexp",
     "reduce_precision",
     # Scatters that combine values carry a combiner jaxpr typed for the
     # original dtype (they appear in amp(jax.grad(f)), as transposed gathers).
-    "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
+    "scatter-add",
+    "scatter-sub",
+    "scatter-mul",
+    "scatter-min",
+    "scatter-max",
 )
 
 # The rest of PyTorch's float32 list: ops that overflow float16's range.
@@ -243,56 +261,178 @@ _RANGE_LIMITED_PRIMITIVES = ("exp", "exp2", "expm1", "pow", "cosh", "sinh")
 # (see use_current_precision).
 _CURRENT_PRECISION_PRIMITIVES = (
     # n-ary elementwise
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "atan2",
-    "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge",
-    "eq_to", "lt_to", "le_to", "and", "or", "xor", "not",
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "rem",
+    "max",
+    "min",
+    "atan2",
+    "select_n",
+    "clamp",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "eq_to",
+    "lt_to",
+    "le_to",
+    "and",
+    "or",
+    "xor",
+    "not",
     # Horner's rule (jnp.polyval, jnp.sinc from JAX 0.12): JAX 0.10 ran
     # these as mul and add.
     "polynomial",
     # unary elementwise
-    "neg", "abs", "sign", "floor", "ceil", "round", "is_finite", "tanh",
-    "logistic", "sin", "cos", "atan", "sqrt", "cbrt", "square", "integer_pow",
-    "erf", "erfc", "real", "imag", "convert_element_type",
+    "neg",
+    "abs",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "is_finite",
+    "tanh",
+    "logistic",
+    "sin",
+    "cos",
+    "atan",
+    "sqrt",
+    "cbrt",
+    "square",
+    "integer_pow",
+    "erf",
+    "erfc",
+    "real",
+    "imag",
+    "convert_element_type",
     # 1 - x**2, the derivative of tanh, asin, acos and atanh from JAX 0.11.2:
     # JAX 0.10 ran it as square (or mul) and sub.
     "one_minus_square",
     # reductions that pick an element, and integer-only ops
-    "reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_xor",
-    "argmax", "argmin", "cummax", "cummin",
-    "clz", "population_count", "shift_left", "shift_right_arithmetic",
-    "shift_right_logical", "mulhi",
+    "reduce_max",
+    "reduce_min",
+    "reduce_and",
+    "reduce_or",
+    "reduce_xor",
+    "argmax",
+    "argmin",
+    "cummax",
+    "cummin",
+    "clz",
+    "population_count",
+    "shift_left",
+    "shift_right_arithmetic",
+    "shift_right_logical",
+    "mulhi",
     # structural
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "stack", "unstack", "tile",
-    "slice", "dynamic_slice", "dynamic_update_slice", "gather", "concatenate",
-    "pad", "rev", "iota", "select_and_gather_add", "sort", "top_k", "approx_top_k",
-    "scatter", "split", "zeros_like",
-    "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+    "reshape",
+    "transpose",
+    "broadcast_in_dim",
+    "squeeze",
+    "stack",
+    "unstack",
+    "tile",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "gather",
+    "concatenate",
+    "pad",
+    "rev",
+    "iota",
+    "select_and_gather_add",
+    "sort",
+    "top_k",
+    "approx_top_k",
+    "scatter",
+    "split",
+    "zeros_like",
+    "reduce_window_sum",
+    "reduce_window_max",
+    "reduce_window_min",
     "select_and_scatter_add",
     # Identities that name, place or order a value. A float32 copy of a named
     # value (checkpoint_name's "name", the idiom of remat policies such as
     # save_only_these_names) would double what the policy saves.
-    "name", "copy", "stop_gradient", "optimization_barrier", "tie", "stage",
-    "sharding_constraint", "reshard", "device_put", "shard_alike",
-    "layout_constraint", "relayout", "dce_sink",
+    "name",
+    "copy",
+    "stop_gradient",
+    "optimization_barrier",
+    "tie",
+    "stage",
+    "sharding_constraint",
+    "reshard",
+    "device_put",
+    "shard_alike",
+    "layout_constraint",
+    "relayout",
+    "dce_sink",
     # Collectives: a tensor-parallel layer keeps its compute dtype across its
     # all-reduce (lax.psum binds psum_invariant inside shard_map), and so do
     # the casts between varying, invariant, reduced and unreduced values.
-    "psum", "psum_invariant", "pmax", "pmin", "unreduced_psum", "unreduced_pmax",
-    "unreduced_pmin", "all_gather", "all_gather_invariant", "all_gather_reduced",
-    "all_to_all", "ragged_all_to_all", "ppermute", "psend", "precv",
-    "reduce_scatter", "unreduced_reduce_scatter", "axis_index", "pbroadcast",
-    "pbroadcast_dynamic", "pvary", "preduced", "reduced_vary_cast",
-    "reduced_vary_cast_p", "vary_unreduced_cast", "vary_unreduced_cast_p",
-    "all_gather_start", "all_gather_done", "all_gather_reduced_start",
-    "psum_start", "psum_invariant_start", "unreduced_psum_start", "psum_done",
-    "reduce_scatter_start", "unreduced_reduce_scatter_start", "reduce_scatter_done",
-    "all_to_all_start", "all_to_all_done", "ppermute_start", "ppermute_done",
-    "pbroadcast_start", "pbroadcast_done",
+    "psum",
+    "psum_invariant",
+    "pmax",
+    "pmin",
+    "unreduced_psum",
+    "unreduced_pmax",
+    "unreduced_pmin",
+    "all_gather",
+    "all_gather_invariant",
+    "all_gather_reduced",
+    "all_to_all",
+    "ragged_all_to_all",
+    "ppermute",
+    "psend",
+    "precv",
+    "reduce_scatter",
+    "unreduced_reduce_scatter",
+    "axis_index",
+    "pbroadcast",
+    "pbroadcast_dynamic",
+    "pvary",
+    "preduced",
+    "reduced_vary_cast",
+    "reduced_vary_cast_p",
+    "vary_unreduced_cast",
+    "vary_unreduced_cast_p",
+    "all_gather_start",
+    "all_gather_done",
+    "all_gather_reduced_start",
+    "psum_start",
+    "psum_invariant_start",
+    "unreduced_psum_start",
+    "psum_done",
+    "reduce_scatter_start",
+    "unreduced_reduce_scatter_start",
+    "reduce_scatter_done",
+    "all_to_all_start",
+    "all_to_all_done",
+    "ppermute_start",
+    "ppermute_done",
+    "pbroadcast_start",
+    "pbroadcast_done",
     # No floating operand (tokens, random keys, shapes): no rule casts anything.
-    "after_all", "create_token", "empty", "empty2", "platform_index",
-    "rng_bit_generator", "random_seed", "random_bits", "random_split",
-    "random_fold_in", "random_wrap", "random_unwrap", "random_clone",
-    "threefry2x32", "iota_2x32_shape",
+    "after_all",
+    "create_token",
+    "empty",
+    "empty2",
+    "platform_index",
+    "rng_bit_generator",
+    "random_seed",
+    "random_bits",
+    "random_split",
+    "random_fold_in",
+    "random_wrap",
+    "random_unwrap",
+    "random_clone",
+    "threefry2x32",
+    "iota_2x32_shape",
 )
 
 # Deliberately kept at original precision, whatever amp holds their operands
@@ -301,9 +441,23 @@ _CURRENT_PRECISION_PRIMITIVES = (
 _ORIGINAL_PRECISION_PRIMITIVES = (
     # Linear algebra: LAPACK and cuSOLVER kernels take float32 and wider, and a
     # factorisation multiplies rounding errors by the matrix's condition number.
-    "cholesky", "cholesky_update", "eig", "eigh", "geqp3", "geqrf", "hessenberg",
-    "householder_product", "lu", "lu_pivots_to_permutation", "ormqr", "qr",
-    "schur", "svd", "symmetric_product", "triangular_solve", "tridiagonal",
+    "cholesky",
+    "cholesky_update",
+    "eig",
+    "eigh",
+    "geqp3",
+    "geqrf",
+    "hessenberg",
+    "householder_product",
+    "lu",
+    "lu_pivots_to_permutation",
+    "ormqr",
+    "qr",
+    "schur",
+    "svd",
+    "symmetric_product",
+    "triangular_solve",
+    "tridiagonal",
     "tridiagonal_solve",
     # FFT: XLA's FFT takes float32 and complex64 and wider only.
     "fft",
@@ -312,30 +466,56 @@ _ORIGINAL_PRECISION_PRIMITIVES = (
     # float16); conj and complex take float32 and wider only; extended-dtype
     # conversions and block-scaled matmuls take the exact (quantised) dtypes
     # the program chose.
-    "bitcast_convert_type", "nextafter", "conj", "complex", "to_edtype",
-    "from_edtype", "scaled_dot", "scaled_matmul", "scaled_matmul_wrapper",
+    "bitcast_convert_type",
+    "nextafter",
+    "conj",
+    "complex",
+    "to_edtype",
+    "from_edtype",
+    "scaled_dot",
+    "scaled_matmul",
+    "scaled_matmul_wrapper",
     # Host callbacks: the host function was written for the dtypes it was
     # declared with (most numpy and scipy code has no bfloat16).
-    "pure_callback", "io_callback", "debug_callback", "debug_print",
-    "inspect_sharding", "buffer_callback",
+    "pure_callback",
+    "io_callback",
+    "debug_callback",
+    "debug_print",
+    "inspect_sharding",
+    "buffer_callback",
     # Compiled kernels (FFI calls, Pallas, cuDNN attention), built for the
     # dtypes they were traced with.
-    "ffi_call", "pallas_call",
-    "dot_product_attention_fwd", "dot_product_attention_bwd",
-    "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
-    "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
-    "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper",
+    "ffi_call",
+    "pallas_call",
+    "dot_product_attention_fwd",
+    "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper",
+    "dot_product_attention_bwd_wrapper",
+    "dot_product_attention_fp8_fwd",
+    "dot_product_attention_fp8_bwd",
+    "dot_product_attention_fp8_fwd_wrapper",
+    "dot_product_attention_fp8_bwd_wrapper",
     # Bodies traced for the original dtypes, which amp does not rewrite: the
     # computations of generic reductions and windows, linear solves,
     # composites, JAX 0.10's eval_jaxpr (from 0.12 the closed call, which has a
     # handler), and primitives defined in Python (hijax: JAX 0.12's
     # jnp.searchsorted, nonzero, ldexp, frexp), built for their operands' types.
-    "reduce", "reduce_window", "select_and_scatter", "custom_linear_solve",
-    "composite", "eval_jaxpr", "call_hi_primitive",
+    "reduce",
+    "reduce_window",
+    "select_and_scatter",
+    "custom_linear_solve",
+    "composite",
+    "eval_jaxpr",
+    "call_hi_primitive",
     # Mutable arrays keep the dtype they were created with.
-    "new_ref", "freeze", "get", "swap", "addupdate",
+    "new_ref",
+    "freeze",
+    "get",
+    "swap",
+    "addupdate",
     # Samplers draw in the dtype the program asked for.
-    "random_gamma", "rng_uniform",
+    "random_gamma",
+    "rng_uniform",
 )
 
 # Each name list with its rule. A name belongs to one list (tests check).
@@ -405,9 +585,7 @@ def _resolve_primitive_names(table: dict[Any, Rule]) -> dict[Any, Rule]:
     by_name = _compat.primitives_by_name()
     names = _primitive_names()
     return {
-        by_name[key] if key in names else key: rule
-        for key, rule in table.items()
-        if key not in names or key in by_name
+        by_name[key] if key in names else key: rule for key, rule in table.items() if key not in names or key in by_name
     }
 
 

@@ -66,10 +66,7 @@ def amp_stop(fn: Callable | None = None):
     if fn is None:
         return _stopped()
     if not callable(fn):
-        raise TypeError(
-            f"amp_stop expects a function to decorate (or no argument, as a context "
-            f"manager), got {fn!r}."
-        )
+        raise TypeError(f"amp_stop expects a function to decorate (or no argument, as a context manager), got {fn!r}.")
     return _stopped()(fn)
 
 

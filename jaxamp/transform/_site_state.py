@@ -163,7 +163,6 @@ class SiteState:
             self.loops.pop()
 
 
-
 def active() -> SiteState | None:
     """The `SiteState` of the program being rewritten, or None."""
     return _ACTIVE.get()
