@@ -22,6 +22,9 @@ from jaxamp import (
 
 from jaxpr_walk import assert_all_matmuls_in, iter_eqns, matmul_operand_dtypes
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 KEY = jax.random.PRNGKey(0)
 
 

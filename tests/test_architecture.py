@@ -11,6 +11,9 @@ import pathlib
 
 import pytest
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxamp"
 
 # Bottom to top, as in docs/architecture.md; a module's layer is its

@@ -8,8 +8,12 @@ same loss without aux.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
+
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
 
 WIDTH = 32
 

@@ -32,6 +32,7 @@ F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 RNG = np.random.default_rng(0)
 
 pytestmark = [
+    pytest.mark.jax_internals,
     pytest.mark.filterwarnings("error:amp policy table:UserWarning"),
     pytest.mark.filterwarnings("error:jaxamp has no handler:UserWarning"),
     pytest.mark.usefixtures("fresh_warnings"),

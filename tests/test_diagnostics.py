@@ -14,6 +14,9 @@ import jaxamp
 from jaxamp import amp, amp_stop, explain, find_nonfinite
 from jaxamp.diagnostics._explain import _fold_scope
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 KEY = jax.random.PRNGKey(0)
 D, T, LAYERS = 16, 8, 3
 

@@ -11,6 +11,9 @@ import pytest
 import jaxamp
 from jaxamp import DynamicScalerState, dynamic_scale_grad, dynamic_scale_value_and_grad
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 
 def test_dynamic_scaler():
     """The original jaxamp package's test, unchanged but for formatting."""

@@ -11,6 +11,9 @@ from jaxamp._options import AmpOptions
 
 from jaxpr_walk import assert_all_matmuls_in
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 
 def _mlp(params, x, scale=1.0):
     for w in params:

@@ -29,6 +29,9 @@ import jaxamp  # noqa: E402
 
 from jaxpr_walk import assert_all_matmuls_in  # noqa: E402
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 RTOL = 3e-2
 BF16 = dict(compute_dtype="bf16")
 

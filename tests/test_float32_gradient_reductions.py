@@ -20,6 +20,9 @@ import jaxamp
 
 from jaxpr_walk import MATMUL_PRIMITIVES, iter_eqns
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 D, H, BATCH = 32, 64, 64
 
 

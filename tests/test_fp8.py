@@ -25,6 +25,9 @@ from jaxamp.fp8._matmul import quantize
 from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 from small_models import SmallCNN, cross_entropy
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 # Every matmul these small models have in float8: the defaults keep batched,
 # grouped and last matmuls and sizes no float8 GEMM takes in bf16

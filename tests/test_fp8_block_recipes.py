@@ -23,6 +23,9 @@ from jaxamp.fp8._schemes import blocked_dot
 
 from jaxpr_walk import matmul_operand_dtypes
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 

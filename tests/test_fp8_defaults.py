@@ -20,6 +20,9 @@ from jaxamp import Fp8Recipe
 
 from jaxpr_walk import matmul_operand_dtypes
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 BF16 = np.dtype(jnp.bfloat16)
 KEYS = jax.random.split(jax.random.key(0), 8)

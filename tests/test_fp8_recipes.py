@@ -18,6 +18,9 @@ from jaxamp.fp8._matmul import quantize
 
 from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 KEYS = jax.random.split(jax.random.key(0), 8)
 
 

@@ -28,6 +28,9 @@ from jaxamp import _compat
 
 from jaxpr_walk import matmul_operand_dtypes
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 RECIPES = {
     scaling: jaxamp.Fp8Recipe(

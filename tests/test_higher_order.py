@@ -14,6 +14,9 @@ from jaxamp import _compat, amp, default_amp_policy
 
 from jaxpr_walk import assert_all_matmuls_in, iter_eqns, scan_num_consts
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 KEY = jax.random.PRNGKey(0)
 W = jax.random.normal(KEY, (8, 8)) / 3
 X = jax.random.normal(jax.random.PRNGKey(1), (4, 8))

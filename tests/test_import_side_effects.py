@@ -19,6 +19,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Every dict keyed by primitives (or set of primitives) in the modules holding

@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 import jaxamp
 from jaxamp.scaling._loss_scaling import find_scaler_state
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 
 def _bits(tree):
     return [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(tree)]

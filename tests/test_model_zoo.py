@@ -16,6 +16,9 @@ from jaxamp import amp
 from jaxpr_walk import assert_all_matmuls_in
 from small_models import SmallCNN, cross_entropy
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 D, T, HEADS, LAYERS = 32, 8, 4, 3
 KEYS = jax.random.split(jax.random.PRNGKey(0), 8)
 

@@ -17,6 +17,9 @@ nn = pytest.importorskip("flax.linen")
 
 import jaxamp  # noqa: E402
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 X = jnp.ones((2, 8))
 
 

@@ -14,6 +14,9 @@ from jax.sharding import PartitionSpec as P
 import jaxamp
 from jaxamp.monitoring import FIELDS
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 BF16 = jnp.bfloat16
 
 

@@ -16,6 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT = 300  # seconds for a whole run; a hung collective fails the test
 UNAVAILABLE = 77  # the worker's exit code when multi-process CPU collectives are missing

@@ -27,6 +27,9 @@ from jaxamp._options import AmpOptions
 
 from jaxpr_walk import iter_eqns
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 WIDTH, ROWS = 256, 64
 
 

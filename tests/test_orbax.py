@@ -16,6 +16,9 @@ import pytest
 import jaxamp
 from jaxamp.optim import cast_state, low_precision_params
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 
 def _params():
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))

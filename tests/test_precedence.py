@@ -26,6 +26,9 @@ from jaxamp import _compat, default_amp_policy
 
 from jax_catalogue import lax_op_catalogue
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 F32 = np.dtype(jnp.float32)
 CATALOGUE = [op for op in lax_op_catalogue() if F32 in op.dtypes]
 

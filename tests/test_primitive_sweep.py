@@ -80,6 +80,7 @@ ACCUMULATING_ULPS = 32
 ALGORITHM_ULPS = 64
 
 pytestmark = [
+    pytest.mark.jax_internals,
     pytest.mark.filterwarnings("error:amp policy table:UserWarning"),
     pytest.mark.filterwarnings("error:jaxamp has no handler:UserWarning"),
     pytest.mark.usefixtures("fresh_warnings"),

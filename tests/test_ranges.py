@@ -14,6 +14,9 @@ from jaxamp import default_amp_policy, use_full_range_precision, use_original_pr
 
 from jaxpr_walk import float_operand_dtypes
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 KEY_A, KEY_B = jax.random.split(jax.random.key(0))
 Q = jax.random.normal(KEY_A, (6, 16))
 K = jax.random.normal(KEY_B, (6, 16))

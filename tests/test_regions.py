@@ -15,6 +15,9 @@ from jaxamp import (
 
 from jaxpr_walk import float_operand_dtypes
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 KEY_W, KEY_X = jax.random.split(jax.random.key(0))
 W = jax.random.normal(KEY_W, (16, 32)) / 4
 X = jax.random.normal(KEY_X, (8, 16))

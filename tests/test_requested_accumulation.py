@@ -18,6 +18,9 @@ import jaxamp
 
 from jaxpr_walk import iter_eqns
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 KEYS = jax.random.split(jax.random.PRNGKey(0), 4)
 

@@ -21,6 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 N = 4  # devices
 D, H = 8, 16
 

@@ -19,6 +19,9 @@ from jaxamp.sharding import (
 
 from jaxpr_walk import assert_all_matmuls_in, iter_eqns
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 RULES = ((r"w$", P("fsdp", None)), (r".*", P()))
 D, BATCH = 64, 32
 

@@ -25,6 +25,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 D, H, OUT, BATCH = 8, 16, 4, 8
 MODES = ["explicit", "auto", "shard_map"]
 LAYOUTS = {

@@ -15,6 +15,9 @@ import jaxamp
 
 from jaxpr_walk import iter_eqns
 
+# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
+pytestmark = pytest.mark.jax_internals
+
 K1, K2, K3 = jax.random.split(jax.random.PRNGKey(0), 3)
 H = jax.random.normal(K1, (32, 64))
 W = jax.random.normal(K2, (64, 1000)) / 8
