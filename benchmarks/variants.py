@@ -62,6 +62,10 @@ class Variant:
         label: what tables and plots call it.
         wrap: ``wrap(loss_fn) -> loss_fn`` applying the precision choice.
         scaled: differentiate with dynamic loss scaling.
+        scale_in_optimizer: the scale lives in the optimizer state
+            (`jaxamp.loss_scaling`) and ``amp(..., loss_scale=opt_state)``
+            scales inside the gradient, instead of the explicit
+            `DynamicScalerState` threaded beside it.
         compare_with: key of the hand-cast variant the tables set this one
             against (the same compute dtype; bf16 for float32 and fp8).
     """
@@ -70,6 +74,7 @@ class Variant:
     label: str
     wrap: Callable[[Callable], Callable]
     scaled: bool = False
+    scale_in_optimizer: bool = False
     compare_with: str = "hand_bf16"
 
     def init_scaler(self) -> jaxamp.DynamicScalerState | None:
@@ -82,6 +87,14 @@ class Variant:
         Unscaled variants pass ``scaler`` (None) through untouched, so that all
         variants are called, lowered and timed the same way.
         """
+        if self.scale_in_optimizer:
+            # One step's gradients at the scaler's scale (the optimizer's
+            # update, which would move it, is `train_step`'s).
+            def in_grad_fn(scaler, params, *batch):
+                value, grads = jax.value_and_grad(self.wrap(loss_fn, loss_scale=scaler))(params, *batch)
+                return value, grads, scaler
+
+            return in_grad_fn
         loss = self.wrap(loss_fn)
         if not self.scaled:
             plain = jax.value_and_grad(loss)
@@ -109,9 +122,22 @@ class Variant:
         Returns:
             ``(step, optimizer)``; initialise the optimizer state with the
             returned optimizer (for scaled variants it is wrapped in
-            `jaxamp.scaling.skip_nonfinite_updates`). ``step`` returns
-            ``(params, opt_state, scaler, loss)``.
+            `jaxamp.scaling.skip_nonfinite_updates`, or in `jaxamp.loss_scaling`
+            when the scale lives there). ``step`` returns
+            ``(params, opt_state, scaler, loss)``; with the scale in the
+            optimizer state, ``scaler`` is that state's `DynamicScalerState`
+            (the input ``scaler`` is not read).
         """
+        if self.scale_in_optimizer:
+            optimizer = jaxamp.loss_scaling(optimizer)
+
+            def in_grad_step(params: Any, opt_state: Any, scaler: Any, *batch: Any):
+                loss = self.wrap(loss_fn, loss_scale=opt_state)
+                value, grads = jax.value_and_grad(loss)(params, *batch)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state, opt_state.scaler_state, value
+
+            return in_grad_step, optimizer
         grad_fn = self.value_and_grad(loss_fn)
         if self.scaled:
             optimizer = jaxamp.scaling.skip_nonfinite_updates(optimizer)
@@ -150,6 +176,14 @@ VARIANTS: dict[str, Variant] = {
             "amp f16 + dynamic scaling",
             functools.partial(jaxamp.amp, compute_dtype="f16"),
             scaled=True,
+            compare_with="hand_f16_scaled",
+        ),
+        Variant(
+            "amp_f16_in_grad",
+            "amp f16 + scale in the optimizer state",
+            functools.partial(jaxamp.amp, compute_dtype="f16"),
+            scaled=True,
+            scale_in_optimizer=True,
             compare_with="hand_f16_scaled",
         ),
         Variant("amp_fp8", "amp fp8", functools.partial(jaxamp.amp, compute_dtype="fp8")),
