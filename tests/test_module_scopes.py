@@ -69,7 +69,9 @@ def test_folded_table_groups_nnx_layer_instances():
     report = jaxamp.explain(_loss, compute_dtype="bf16")(Model(nnx.Rngs(0)), X)
     folded = report.table().splitlines()
     attn = [line.split() for line in folded if line.startswith("Model/blocks.*/attn ")]
-    assert [row[1:3] for row in attn if row[1] == "dot_general"] == [["dot_general", "3"]]
+    # Three instances' matmuls in one scope's rows (split only by the dtypes
+    # their operands arrived in: the first block's input is float32).
+    assert sum(int(row[2]) for row in attn if row[1] == "dot_general") == 3
     assert not any("blocks.0" in line for line in folded)
 
 

@@ -315,6 +315,9 @@ def test_docs_have_examples():
 
 
 def test_public_names():
-    names = ("Policy", "get_policy", "cast_to_full", "cast_to_half", "parse_dtype", "half_dtype")
+    names = ("Policy", "get_policy", "cast_to_full", "cast_to_half", "half_dtype")
     for name in names:
         assert name in jaxamp.__all__ and hasattr(jaxamp, name)
+    # The dtype helpers live with the policies.
+    for name in (*names, "parse_dtype", "cast_floating"):
+        assert name in jaxamp.policies.__all__ and hasattr(jaxamp.policies, name)
