@@ -169,30 +169,51 @@ def test_inside_a_chain_the_clip_before_it_sees_the_nan_and_the_step_is_skipped(
     assert float(find_scaler_state(state).scaler) == 2.0**14
 
 
-def test_around_multisteps_a_bad_micro_batch_is_skipped_once_and_dropped():
-    # Outside MultiSteps: a non-finite micro-batch is one skip (one halving),
-    # and MultiSteps' state (its accumulator, its micro-step counter) is kept
-    # bit for bit, so the bad batch is dropped and the real step comes after
-    # `every` finite micro-batches, their mean.
+def test_around_multisteps_one_decision_per_real_step():
+    # Outside MultiSteps: one decision per real step, as PyTorch's GradScaler
+    # around accumulated gradients. A real step with a non-finite micro-batch
+    # is skipped whole (zero updates, the inner optimizer's state and the step
+    # count as they were) and the scale halves once; the next real step, all
+    # finite, is the mean of its micro-batches.
     every = 3
-    optimizer = jaxamp.loss_scaling(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=every), scaler=2.0**10)
+    optimizer = jaxamp.loss_scaling(
+        optax.MultiSteps(optax.adam(1.0), every_k_schedule=every), scaler=2.0**10, patience=1
+    )
+    params = _params()
+    state = optimizer.init(params)
+    inner_before = _bits(state.inner_state.inner_opt_state)
+    step = jax.jit(lambda s, g: optimizer.update(g, s, params))
+    scales, all_updates = [], []
+    for grads in [_grads(), _grads(bad=True), _grads(), _grads(), _grads(), _grads()]:
+        updates, state = step(state, grads)
+        scales.append(float(state.scale))
+        all_updates.append(updates)
+    # The first real step (micro-batches 0-2) held a NaN: skipped, halved once, at its end.
+    assert scales[:3] == [2.0**10, 2.0**10, 2.0**9]
+    assert all(not np.any(np.asarray(u["w"])) for u in all_updates[:3])
+    assert int(state.scaler_state.total_resets) == 1
+    # The second (3-5) is finite: adam's first step, counted once toward growth.
+    assert scales[3:] == [2.0**9] * 3 and int(state.scaler_state.count) == 1
+    assert int(state.inner_state.gradient_step) == 1
+    assert _bits(state.inner_state.inner_opt_state) != inner_before
+    np.testing.assert_allclose(np.asarray(all_updates[5]["w"]), -np.sign([0.5, 1.0, -1.0]), rtol=1e-4)
+    # Its accumulator stayed finite: nothing of the NaN micro-batch remains.
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(state.inner_state.acc_grads))
+
+
+def test_outside_multisteps_a_skipped_real_step_keeps_the_inner_state_bit_for_bit():
+    optimizer = jaxamp.loss_scaling(optax.MultiSteps(optax.adam(0.1), every_k_schedule=2))
     params = _params()
     state = optimizer.init(params)
     step = jax.jit(lambda s, g: optimizer.update(g, s, params))
-    grads = [_grads(), _grads(bad=True), _grads(), _grads()]
-    grads[2] = jax.tree_util.tree_map(lambda g: 3 * g, grads[2])
-    _, state = step(state, grads[0])
-    before = _bits(state.inner_state)
-    updates, state = step(state, grads[1])
-    assert _bits(state.inner_state) == before
-    assert not np.any(np.asarray(updates["w"]))
-    assert (float(state.scale), int(state.scaler_state.total_resets)) == (2.0**9, 1)
-    _, state = step(state, grads[2])
-    updates, state = step(state, grads[3])
-    # The real step: minus the mean of the three finite micro-batches (sgd, lr 1).
-    expected = -(0.5 + 1.5 + 0.5) / 3
-    np.testing.assert_allclose(np.asarray(updates["b"]), expected, rtol=1e-6)
-    assert int(state.inner_state.gradient_step) == 1
+    _, state = step(state, _grads())
+    _, state = step(state, _grads())  # a real step taken
+    before = (_bits(state.inner_state.inner_opt_state), int(state.inner_state.gradient_step))
+    _, state = step(state, _grads(bad=True))
+    assert not bool(state.last_finite) and not bool(state.step_finite)
+    updates, state = step(state, _grads())  # the end of a real step with a NaN in it
+    assert (_bits(state.inner_state.inner_opt_state), int(state.inner_state.gradient_step)) == before
+    assert not np.any(np.asarray(updates["w"])) and bool(state.step_finite)
 
 
 def test_inside_multisteps_one_decision_per_real_step_on_finite_steps():

@@ -43,11 +43,14 @@ class LossScaleState(NamedTuple):
             `dynamic_scale_value_and_grad` moves it.
         last_finite: whether the latest gradients were finite on every device
             (bool scalar); false means that step's updates were zeros.
+        step_finite: around `optax.MultiSteps`, whether every micro-batch of
+            the real step under way was finite so far (True otherwise).
     """
 
     inner_state: Any
     scaler_state: DynamicScalerState
     last_finite: jax.Array
+    step_finite: jax.Array
 
     @property
     def scale(self) -> jax.Array:
@@ -88,12 +91,17 @@ def loss_scaling(
     script does); the scale is only read from the state, by amp.
 
     With gradient accumulation, wrap the accumulator:
-    ``loss_scaling(optax.MultiSteps(opt, k))``. A non-finite micro-batch is
-    then skipped and dropped (MultiSteps' accumulator and counter kept bit for
-    bit), and the real step comes after ``k`` finite ones; ``patience``
-    counts micro-batches. Not the other way round: optax's ``MultiSteps``
-    resets its accumulator by multiplying it by 0, which leaves a NaN a NaN,
-    so one non-finite micro-batch would poison every later step.
+    ``loss_scaling(optax.MultiSteps(opt, k))``. The decision is then one per
+    real step, as PyTorch's ``GradScaler`` makes it around accumulated
+    gradients: a non-finite micro-batch is not accumulated (MultiSteps counts
+    it, so the real step still comes every ``k`` micro-batches), and at the
+    real step the wrapped optimizer steps only if all ``k`` were finite;
+    otherwise the real step is skipped (zero updates, the wrapped optimizer's
+    state and MultiSteps' step count as they were, the accumulator emptied)
+    and the scale shrinks once. ``patience`` counts real steps. Not the other
+    way round: optax's ``MultiSteps`` resets its accumulator by multiplying it
+    by 0, which leaves a NaN a NaN, so one non-finite micro-batch would poison
+    every later step.
 
     Args:
         optimizer: any optax gradient transformation.
@@ -140,6 +148,7 @@ def loss_scaling(
             inner_state=inner.init(array_part(params)),
             scaler_state=jax.tree_util.tree_map(jnp.array, initial),
             last_finite=jnp.array(True),
+            step_finite=jnp.array(True),
         )
 
     def update(grads: Any, state: LossScaleState, params: Any = None, **extra_args: Any):
@@ -148,14 +157,51 @@ def loss_scaling(
                 f"jaxamp.loss_scaling's update expects the LossScaleState its init made, got {type(state).__name__}."
             )
         finite = gradients_finite(grads, axis_name, what="jaxamp.loss_scaling")
+        if isinstance(state.inner_state, optax.MultiStepsState):
+            return _accumulating_update(inner, state, finite, grads, params, **extra_args)
         updates, inner_state = update_if_finite(inner, finite, grads, state.inner_state, params, **extra_args)
         return updates, LossScaleState(
             inner_state=inner_state,
             scaler_state=next_scaler_state(state.scaler_state, finite),
             last_finite=finite,
+            step_finite=finite,
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _accumulating_update(
+    inner: optax.GradientTransformation,
+    state: LossScaleState,
+    finite: jax.Array,
+    grads: Any,
+    params: Any,
+    **extra_args: Any,
+) -> tuple[Any, LossScaleState]:
+    """`loss_scaling`'s update around `optax.MultiSteps`: one decision per real step.
+
+    A non-finite micro-batch goes in as zeros (MultiSteps' accumulator stays
+    finite and its micro-step counter advances); the real step is taken only
+    if every micro-batch of it was finite, and the scale moves once, there.
+    """
+    old: optax.MultiStepsState = state.inner_state
+    clean = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+    updates, new = inner.update(clean, old, params, **extra_args)
+    step_finite = state.step_finite & finite
+    real_step = new.gradient_step != old.gradient_step
+    skipped = real_step & ~step_finite
+    # A skipped real step commits nothing: the wrapped optimizer's state and
+    # the step count stay; the accumulator and micro-step are MultiSteps' reset.
+    kept = new._replace(inner_opt_state=old.inner_opt_state, gradient_step=old.gradient_step)
+    inner_state = jax.tree_util.tree_map(lambda k, n: jnp.where(skipped, k, n), kept, new)
+    updates = jax.tree_util.tree_map(lambda u: jnp.where(skipped, jnp.zeros_like(u), u), updates)
+    moved = next_scaler_state(state.scaler_state, step_finite)
+    return updates, LossScaleState(
+        inner_state=inner_state,
+        scaler_state=jax.tree_util.tree_map(lambda m, s: jnp.where(real_step, m, s), moved, state.scaler_state),
+        last_finite=finite,
+        step_finite=step_finite | real_step,
+    )
 
 
 def _as_numpy_if_concrete(x: jax.Array) -> Any:
