@@ -23,7 +23,7 @@ import optax
 
 from .._dtypes import array_part
 from ._dynamic_scaler import DynamicScalerState, next_scaler_state
-from ._finite import AxisName, check_axis_name
+from ._finite import AxisName, check_axis_name, select_tree
 from ._optax import check_optimizer, gradients_finite, update_if_finite
 
 __all__ = ["LossScaleState", "find_scaler_state", "loss_scaling"]
@@ -185,7 +185,8 @@ def _accumulating_update(
     if every micro-batch of it was finite, and the scale moves once, there.
     """
     old: optax.MultiStepsState = state.inner_state
-    clean = jax.tree_util.tree_map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+    params = None if params is None else array_part(params)
+    clean = select_tree(finite, grads, jax.tree_util.tree_map(jnp.zeros_like, grads))
     updates, new = inner.update(clean, old, params, **extra_args)
     step_finite = state.step_finite & finite
     real_step = new.gradient_step != old.gradient_step
@@ -193,12 +194,10 @@ def _accumulating_update(
     # A skipped real step commits nothing: the wrapped optimizer's state and
     # the step count stay; the accumulator and micro-step are MultiSteps' reset.
     kept = new._replace(inner_opt_state=old.inner_opt_state, gradient_step=old.gradient_step)
-    inner_state = jax.tree_util.tree_map(lambda k, n: jnp.where(skipped, k, n), kept, new)
-    updates = jax.tree_util.tree_map(lambda u: jnp.where(skipped, jnp.zeros_like(u), u), updates)
-    moved = next_scaler_state(state.scaler_state, step_finite)
-    return updates, LossScaleState(
-        inner_state=inner_state,
-        scaler_state=jax.tree_util.tree_map(lambda m, s: jnp.where(real_step, m, s), moved, state.scaler_state),
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, updates)
+    return select_tree(skipped, zeros, updates), LossScaleState(
+        inner_state=select_tree(skipped, kept, new),
+        scaler_state=select_tree(real_step, next_scaler_state(state.scaler_state, step_finite), state.scaler_state),
         last_finite=finite,
         step_finite=step_finite | real_step,
     )
