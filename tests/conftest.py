@@ -1,17 +1,45 @@
 """Test-session setup.
 
-Eight host (CPU) devices, so the sharding tests can build real meshes on any
-machine. This must happen before JAX is first imported.
+Compiling is most of the suite's time: it runs thousands of tiny programs, and
+no test measures speed. So, before JAX is first imported (subprocesses the
+tests start inherit all of it):
+
+* eight host (CPU) devices, so the sharding tests build real meshes anywhere;
+* XLA's CPU backend compiles without LLVM's expensive passes (40% off the suite);
+* one persistent compilation cache for the session, shared by the xdist
+  workers, for the programs several tests (and both workers) compile alike
+  (13% off), in a temporary folder removed at the end unless
+  ``JAX_COMPILATION_CACHE_DIR`` names one already.
 """
 
 import os
+import shutil
+import tempfile
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+_FLAGS = (
+    "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+)
+for _flag in _FLAGS:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+# Made by the process pytest starts (before it starts the workers, which inherit it).
+_SESSION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="jaxamp-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
 import pytest  # noqa: E402  (after the XLA flag above)
+
+
+def pytest_unconfigure(config):
+    if _SESSION_CACHE is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

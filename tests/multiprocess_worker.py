@@ -1,13 +1,16 @@
 """One process of a data-parallel amp + loss-scaling run (tests/test_multiprocess.py).
 
 Run as ``python tests/multiprocess_worker.py --num-processes 2 --process-id 0
---port P --out F ...`` (with 2 CPU devices per process), or with
-``--num-processes 1`` on 4 devices for the single-process reference. Every
+--port P --runs RUNS.json`` (with 2 CPU devices per process), or with
+``--num-processes 1`` on 4 devices for the single-process reference. RUNS.json
+lists the runs, ``[[out, [option, ...]], ...]``; each is done in turn in the
+same processes (one start and one `jax.distributed.initialize` for all), with
+the options below. Every
 process feeds its slice of the same global batches, so the runs compute the
 same thing. A NaN in the data lands in one process's shard at step
-`NAN_STEP`, and a float16-overflowing row at `OVERFLOW_STEP`. The process
-writes what it holds at the end (parameters, optimizer and scaler state,
-per-step losses, scales and skips) to ``--out`` as an ``.npz``.
+`NAN_STEP`, and a float16-overflowing row at `OVERFLOW_STEP`. Each run
+writes what the process holds at its end (parameters, optimizer and scaler state,
+per-step losses, scales and skips) to its ``out`` as an ``.npz``.
 
 Modes:
 
@@ -32,6 +35,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -41,6 +45,13 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--runs", required=True)
+    return parser.parse_args()
+
+
+def _parse_run(out: str, options: list[str]) -> argparse.Namespace:
+    """One run's settings, with this process's."""
+    parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["jit", "shard_map"], default="jit")
     parser.add_argument("--dtype", choices=["bf16", "f16", "fp8", "fp8-delayed"], default="bf16")
     parser.add_argument("--axis-type", choices=["explicit", "auto"], default="explicit")
@@ -49,26 +60,29 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--low-precision", action="store_true")
     parser.add_argument("--float32-reductions", action="store_true")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", required=True)
-    return parser.parse_args()
+    run = parser.parse_args(options)
+    run.out, run.num_processes = out, PROCESS.num_processes
+    return run
 
 
-ARGS = _parse()
+PROCESS = _parse()
 DEVICES = 4
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES // ARGS.num_processes}"
+# This process's own device count; the test session's other flags (its compile settings) kept.
+_INHERITED = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in flag]
+os.environ["XLA_FLAGS"] = " ".join([*_INHERITED, f"--xla_force_host_platform_device_count={DEVICES // PROCESS.num_processes}"])
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
-if ARGS.num_processes > 1:
+if PROCESS.num_processes > 1:
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, ValueError) as err:  # a jaxlib built without gloo
         print(f"no gloo CPU collectives in this jaxlib: {err}")
         sys.exit(77)
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{ARGS.port}",
-        num_processes=ARGS.num_processes,
-        process_id=ARGS.process_id,
+        coordinator_address=f"127.0.0.1:{PROCESS.port}",
+        num_processes=PROCESS.num_processes,
+        process_id=PROCESS.process_id,
         initialization_timeout=120,
     )
 
@@ -349,10 +363,12 @@ def main():
         scales=np.array(scales),
         finite=np.array(finite),
     )
-    if ARGS.num_processes > 1:
-        jax.distributed.shutdown()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with open(PROCESS.runs) as runs:
+        for out, options in json.load(runs):
+            ARGS = _parse_run(out, options)
+            main()
+    if PROCESS.num_processes > 1:
+        jax.distributed.shutdown()

@@ -1,13 +1,16 @@
 """Two JAX processes (jax.distributed, gloo CPU collectives) train as one.
 
-Each test starts two processes of ``tests/multiprocess_worker.py`` (2 CPU
-devices each, joined by `jax.distributed.initialize`) and one single-process
-reference on 4 devices, runs the same data-parallel amp + loss-scaling steps
-in all of them (a NaN in the data of one process at step 2, a float16
-overflow in it at step 4), and compares what each process holds at the end.
+Two processes of ``tests/multiprocess_worker.py`` (2 CPU devices each, joined
+by `jax.distributed.initialize`) and one single-process reference on 4 devices
+run the same data-parallel amp + loss-scaling steps (a NaN in the data of one
+process at step 2, a float16 overflow in it at step 4), once per setting in
+`RUNS`; each test compares what each process holds at the end of its run.
+The processes start once for all the runs the session's tests read (the
+`launched` fixture): starting JAX and joining the processes cost more than
+most runs.
 """
 
-import os
+import json
 import socket
 import subprocess
 import sys
@@ -16,12 +19,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
-pytestmark = pytest.mark.jax_internals
-
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
-TIMEOUT = 300  # seconds for a whole run; a hung collective fails the test
+TIMEOUT = 600  # seconds for all the runs; a hung collective fails the tests
 UNAVAILABLE = 77  # the worker's exit code when multi-process CPU collectives are missing
+
+# Every run a test below reads, by name: the worker's options.
+RUNS = {
+    "bf16-jit": ["--mode", "jit", "--dtype", "bf16"],
+    "bf16-shard_map": ["--mode", "shard_map", "--dtype", "bf16"],
+    "f16-redo-jit": ["--mode", "jit", "--dtype", "f16", "--redo-on-nan", "3"],
+    "f16-redo-shard_map": ["--mode", "shard_map", "--dtype", "f16", "--redo-on-nan", "3"],
+    "f16-wrapper-jit": ["--mode", "jit", "--dtype", "f16", "--api", "wrapper"],
+    "f16-wrapper-shard_map": ["--mode", "shard_map", "--dtype", "f16", "--api", "wrapper"],
+    "f16-float32-reductions": ["--mode", "jit", "--dtype", "f16", "--redo-on-nan", "3", "--float32-reductions"],
+    "bf16-low-precision": ["--mode", "jit", "--dtype", "bf16", "--low-precision"],
+    "fp8-delayed-jit": ["--mode", "jit", "--dtype", "fp8-delayed"],
+    "fp8-delayed-shard_map": ["--mode", "shard_map", "--dtype", "fp8-delayed"],
+    "fp8-auto-mesh": ["--mode", "jit", "--dtype", "fp8", "--axis-type", "auto"],
+}
+
+# One worker runs this module's tests, so the processes start once for them all.
+pytestmark = [pytest.mark.jax_internals, pytest.mark.xdist_group("multiprocess")]
 
 
 def _free_port():
@@ -30,12 +48,15 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _run(tmp_path, name, num_processes, options):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _start(tmp_path, name, num_processes, names):
+    """`num_processes` worker processes doing the runs `names`, each run saved per process."""
+    runs = [[str(tmp_path / f"{run}-{name}-{p}.npz"), RUNS[run]] for run in names for p in range(num_processes)]
     port = _free_port()
     procs = []
     for process_id in range(num_processes):
-        out = tmp_path / f"{name}-{process_id}.npz"
+        mine = [[out, options] for out, options in runs if out.endswith(f"-{process_id}.npz")]
+        spec = tmp_path / f"{name}-{process_id}.json"
+        spec.write_text(json.dumps(mine))
         cmd = [
             sys.executable,
             str(WORKER),
@@ -45,46 +66,67 @@ def _run(tmp_path, name, num_processes, options):
             str(process_id),
             "--port",
             str(port),
-            "--out",
-            str(out),
-            *options,
+            "--runs",
+            str(spec),
         ]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out))
-    results = []
-    for proc, out in procs:
+        # The worker sets its own device count and keeps the session's other XLA flags.
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs, name):
+    for proc in procs:
         try:
             log, _ = proc.communicate(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
-            for other, _ in procs:
+            for other in procs:
                 other.kill()
             pytest.fail(f"{name}: a process did not finish within {TIMEOUT} s (a hung collective?)")
         if proc.returncode == UNAVAILABLE:
             pytest.skip(f"multi-process CPU collectives are unavailable here: {log.strip()[-300:]}")
         assert proc.returncode == 0, f"{name} failed:\n{log[-3000:]}"
-        results.append(dict(np.load(out)))
-    return results
 
 
-def _launch_both(tmp_path, options):
-    """The two-process run and its single-process reference, started together."""
-    return _run(tmp_path, "two", 2, options), _run(tmp_path, "one", 1, options)
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Every run this session's selected tests read: two processes, and one on all 4 devices, at once.
+
+    Returns ``run name -> (per-process results of the two-process run, [the
+    single-process result])``.
+    """
+    names = sorted(
+        {
+            item.callspec.params["run"]
+            for item in request.session.items
+            if item.module is request.module and hasattr(item, "callspec") and "run" in item.callspec.params
+        }
+    )
+    tmp_path = tmp_path_factory.mktemp("multiprocess")
+    two, one = _start(tmp_path, "two", 2, names), _start(tmp_path, "one", 1, names)
+    _finish(two, "the two-process runs")
+    _finish(one, "the single-process runs")
+
+    def load(run, name, num_processes):
+        return [dict(np.load(tmp_path / f"{run}-{name}-{p}.npz")) for p in range(num_processes)]
+
+    return {run: (load(run, "two", 2), load(run, "one", 1)) for run in names}
 
 
-def _assert_processes_identical(runs, mode="jit"):
+def _assert_processes_identical(runs, run):
     first, *others = runs
     # Under shard_map the parameters and optimizer state are sharded: each
     # process holds its own shards, and the gathered parameters are compared.
     keys = ("params_f32", "scaler", "losses", "scales", "finite")
-    keys += ("params", "opt_state") if mode == "jit" else ()
+    keys += ("params", "opt_state") if "shard_map" not in RUNS[run] else ()
     for other in others:
         for key in keys:
             np.testing.assert_array_equal(first[key], other[key], err_msg=key)
 
 
-@pytest.mark.parametrize("mode", ["jit", "shard_map"])
-def test_multiprocess_bf16_training_matches_one_process_bit_for_bit(tmp_path, mode):
-    two, (one,) = _launch_both(tmp_path, ["--mode", mode, "--dtype", "bf16"])
-    _assert_processes_identical(two, mode)
+@pytest.mark.parametrize("run", ["bf16-jit", "bf16-shard_map"])
+def test_multiprocess_bf16_training_matches_one_process_bit_for_bit(launched, run):
+    two, (one,) = launched[run]
+    _assert_processes_identical(two, run)
     # The NaN in one process's data skipped step 2 on every process.
     assert two[0]["finite"].tolist() == [True, True, False] + [True] * 5
     for key in ("params_f32", "scaler", "scales", "finite"):
@@ -94,10 +136,10 @@ def test_multiprocess_bf16_training_matches_one_process_bit_for_bit(tmp_path, mo
     np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["jit", "shard_map"])
-def test_multiprocess_f16_redo_agrees_on_every_process(tmp_path, mode):
-    two, (one,) = _launch_both(tmp_path, ["--mode", mode, "--dtype", "f16", "--redo-on-nan", "3"])
-    _assert_processes_identical(two, mode)
+@pytest.mark.parametrize("run", ["f16-redo-jit", "f16-redo-shard_map"])
+def test_multiprocess_f16_redo_agrees_on_every_process(launched, run):
+    two, (one,) = launched[run]
+    _assert_processes_identical(two, run)
     ref = one
     # Step 2 (NaN data): skipped with one shrink. Step 4 (overflow in one
     # process's rows): redone at smaller scales on both processes alike.
@@ -111,14 +153,14 @@ def test_multiprocess_f16_redo_agrees_on_every_process(tmp_path, mode):
     np.testing.assert_allclose(two[0]["losses"][finite_losses], ref["losses"][finite_losses], rtol=2e-3)
 
 
-@pytest.mark.parametrize("mode", ["jit", "shard_map"])
-def test_multiprocess_f16_with_the_scale_in_the_optimizer_state_agrees_on_every_process(tmp_path, mode):
+@pytest.mark.parametrize("run", ["f16-wrapper-jit", "f16-wrapper-shard_map"])
+def test_multiprocess_f16_with_the_scale_in_the_optimizer_state_agrees_on_every_process(launched, run):
     # jaxamp.loss_scaling + amp(loss_scale=opt_state): the NaN in one
     # process's data (step 2) and the float16 overflow in its rows (step 4)
     # skip the step on every process, which all keep the same scale, as one
     # process does.
-    two, (one,) = _launch_both(tmp_path, ["--mode", mode, "--dtype", "f16", "--api", "wrapper"])
-    _assert_processes_identical(two, mode)
+    two, (one,) = launched[run]
+    _assert_processes_identical(two, run)
     np.testing.assert_array_equal(two[0]["finite"], one["finite"])
     np.testing.assert_array_equal(two[0]["scales"], one["scales"])
     assert not one["finite"][2] and not one["finite"][4]
@@ -126,36 +168,37 @@ def test_multiprocess_f16_with_the_scale_in_the_optimizer_state_agrees_on_every_
     np.testing.assert_allclose(two[0]["params_f32"], one["params_f32"], rtol=2e-3, atol=2e-4)
 
 
-def test_multiprocess_f16_with_float32_gradient_reductions(tmp_path):
+@pytest.mark.parametrize("run", ["f16-float32-reductions"])
+def test_multiprocess_f16_with_float32_gradient_reductions(launched, run):
     # Measured (8 steps, JAX 0.12): the largest parameter difference from one
     # process is 4.1e-5 with float16 gradient sums and 1.4e-5 with float32
     # ones (the float16 matmuls themselves still round differently).
-    options = ["--mode", "jit", "--dtype", "f16", "--redo-on-nan", "3", "--float32-reductions"]
-    two, (one,) = _launch_both(tmp_path, options)
-    _assert_processes_identical(two)
+    two, (one,) = launched[run]
+    _assert_processes_identical(two, run)
     for key in ("scaler", "scales", "finite"):
         np.testing.assert_array_equal(two[0][key], one[key], err_msg=key)
     np.testing.assert_allclose(two[0]["params_f32"], one["params_f32"], rtol=0, atol=5e-5)
 
 
-def test_multiprocess_low_precision_params_stay_identical(tmp_path):
+@pytest.mark.parametrize("run", ["bf16-low-precision"])
+def test_multiprocess_low_precision_params_stay_identical(launched, run):
     # bfloat16 parameters with stochastic rounding: the random bits must be the
     # same on every process, or the replicas drift apart.
-    two, (one,) = _launch_both(tmp_path, ["--mode", "jit", "--dtype", "bf16", "--low-precision"])
-    _assert_processes_identical(two)
+    two, (one,) = launched[run]
+    _assert_processes_identical(two, run)
     np.testing.assert_array_equal(two[0]["params"], one["params"])
 
 
-@pytest.mark.parametrize("mode", ["jit", "shard_map"])
-def test_multiprocess_fp8_delayed_histories_agree_on_every_process(tmp_path, mode):
+@pytest.mark.parametrize("run", ["fp8-delayed-jit", "fp8-delayed-shard_map"])
+def test_multiprocess_fp8_delayed_histories_agree_on_every_process(launched, run):
     # fp8's delayed recipe: the amax histories each process rolls in are the
     # global amaxes, so every process holds the same state, and the loss
     # scaler leaves the observed amaxes unscaled (the histories equal one
     # process's, which it would divide by 2**15 otherwise). In shard_map each
     # device differentiates its own loss: amp takes each amax's maximum over
     # the devices, across processes too.
-    two, (one,) = _launch_both(tmp_path, ["--mode", mode, "--dtype", "fp8-delayed"])
-    _assert_processes_identical(two, mode)
+    two, (one,) = launched[run]
+    _assert_processes_identical(two, run)
     np.testing.assert_array_equal(two[0]["fp8_state"], two[1]["fp8_state"])
     assert two[0]["finite"].tolist() == [True, True, False] + [True] * 5
     histories, want = two[0]["fp8_histories"], one["fp8_histories"]
@@ -168,14 +211,15 @@ def test_multiprocess_fp8_delayed_histories_agree_on_every_process(tmp_path, mod
     np.testing.assert_allclose(histories, want, rtol=1e-2)
 
 
-def test_multiprocess_fp8_on_an_auto_mesh_scales_each_device_apart(tmp_path):
+@pytest.mark.parametrize("run", ["fp8-auto-mesh"])
+def test_multiprocess_fp8_on_an_auto_mesh_scales_each_device_apart(launched, run):
     # fp8 tensorwise on an Auto mesh: each device scales its own shard of the
     # batch when XLA partitions the step (a custom_partitioning op per
     # product), across processes as within one; the weight gradients' sums
     # are the step's only collectives. Four shards either way, so the scales
     # are the same.
-    two, (one,) = _launch_both(tmp_path, ["--mode", "jit", "--dtype", "fp8", "--axis-type", "auto"])
-    _assert_processes_identical(two)
+    two, (one,) = launched[run]
+    _assert_processes_identical(two, run)
     assert two[0]["finite"].tolist() == [True, True, False] + [True] * 5
     np.testing.assert_array_equal(two[0]["scales"], one["scales"])
     np.testing.assert_allclose(two[0]["params_f32"], one["params_f32"], rtol=0, atol=1e-6)  # measured: 3e-8
