@@ -10,7 +10,9 @@ The processes start once for all the runs the session's tests read (the
 most runs.
 """
 
+import fcntl
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -38,8 +40,7 @@ RUNS = {
     "fp8-auto-mesh": ["--mode", "jit", "--dtype", "fp8", "--axis-type", "auto"],
 }
 
-# One worker runs this module's tests, so the processes start once for them all.
-pytestmark = [pytest.mark.jax_internals, pytest.mark.xdist_group("multiprocess")]
+pytestmark = pytest.mark.jax_internals
 
 
 def _free_port():
@@ -87,9 +88,14 @@ def _finish(procs, name):
         assert proc.returncode == 0, f"{name} failed:\n{log[-3000:]}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def launched(request, tmp_path_factory):
     """Every run this session's selected tests read: two processes, and one on all 4 devices, at once.
+
+    Done once per session: under pytest-xdist the first worker to get here
+    starts the processes and the others wait for its results (a module-scoped
+    fixture would start them again on each worker, and again whenever a
+    worker runs another module's test in between).
 
     Returns ``run name -> (per-process results of the two-process run, [the
     single-process result])``.
@@ -98,13 +104,22 @@ def launched(request, tmp_path_factory):
         {
             item.callspec.params["run"]
             for item in request.session.items
-            if item.module is request.module and hasattr(item, "callspec") and "run" in item.callspec.params
+            if item.path == Path(__file__) and hasattr(item, "callspec") and "run" in item.callspec.params
         }
     )
-    tmp_path = tmp_path_factory.mktemp("multiprocess")
-    two, one = _start(tmp_path, "two", 2, names), _start(tmp_path, "one", 1, names)
-    _finish(two, "the two-process runs")
-    _finish(one, "the single-process runs")
+    session_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session_dir = session_dir.parent  # the workers' common folder
+    tmp_path = session_dir / "multiprocess"
+    tmp_path.mkdir(exist_ok=True)
+    with open(session_dir / "multiprocess.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = tmp_path / "done"
+        if not done.exists():
+            two, one = _start(tmp_path, "two", 2, names), _start(tmp_path, "one", 1, names)
+            _finish(two, "the two-process runs")
+            _finish(one, "the single-process runs")
+            done.touch()
 
     def load(run, name, num_processes):
         return [dict(np.load(tmp_path / f"{run}-{name}-{p}.npz")) for p in range(num_processes)]
