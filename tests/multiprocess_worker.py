@@ -69,7 +69,9 @@ PROCESS = _parse()
 DEVICES = 4
 # This process's own device count; the test session's other flags (its compile settings) kept.
 _INHERITED = [flag for flag in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in flag]
-os.environ["XLA_FLAGS"] = " ".join([*_INHERITED, f"--xla_force_host_platform_device_count={DEVICES // PROCESS.num_processes}"])
+os.environ["XLA_FLAGS"] = " ".join(
+    [*_INHERITED, f"--xla_force_host_platform_device_count={DEVICES // PROCESS.num_processes}"]
+)
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 

@@ -284,6 +284,7 @@ def _assert_float32_gradients_match(fp8_grad, loss, lhs, rhs):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", sorted(DOTS))
 def test_dot_general_gradients_match_float32(name):
     lhs_shape, rhs_shape, dims = DOTS[name]

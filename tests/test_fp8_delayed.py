@@ -241,6 +241,7 @@ def test_micro_batches_combine_by_max():
     assert observed.histories["dot_general"][0, 0] == separate[1].histories["dot_general"][0, 0]
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
 def test_data_parallel_mesh_matches_one_device(kind):
     if len(jax.devices()) < 4:

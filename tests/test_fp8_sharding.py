@@ -54,6 +54,7 @@ def _relative_error(got, want):
     return float(np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want))
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
 def test_jit_on_a_mesh_matches_one_device_fp8_with_every_matmul_in_float8(mode, layout):
@@ -170,6 +171,7 @@ PER_SHARD_CASES = {
 }
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
 @pytest.mark.parametrize("case", sorted(PER_SHARD_CASES))
 def test_per_shard_scales_give_exact_gradients_and_keep_shardings(case, mode):

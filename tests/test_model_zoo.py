@@ -190,6 +190,7 @@ def _leaf_kind(leaf):
     return type(leaf)
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("make", MODELS, ids=lambda m: m.__name__)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_outputs_are_what_the_model_returns(make, dtype):

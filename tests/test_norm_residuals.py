@@ -202,6 +202,7 @@ def _found_norm(kind):
 FOUND_NORMS = ["linen.LayerNorm", "linen.RMSNorm", "haiku.LayerNorm", "jax.nn.standardize", "hand-written"]
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("kind", FOUND_NORMS)
 def test_norms_the_statistics_pass_finds_save_their_bf16_input(kind):
     apply, norm_params = _found_norm(kind)

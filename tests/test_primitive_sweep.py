@@ -58,7 +58,12 @@ from jaxpr_walk import assert_all_matmuls_in, float_operand_dtypes, iter_eqns
 
 F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
 SHORT_NAMES = {F16: "f16", BF16: "bf16"}
-COMPUTE_DTYPES = [pytest.param(d, id=name) for d, name in SHORT_NAMES.items()]
+# The oldest-JAX leg of .ci/run runs every case on float16 operands with
+# float16 compute; bfloat16's runs and the float32 route (the same operations
+# behind a cast) take the same code paths.
+COMPUTE_DTYPES = [
+    pytest.param(d, id=name, marks=pytest.mark.newest_only if d == BF16 else ()) for d, name in SHORT_NAMES.items()
+]
 ROUTES = ("f32", "half")
 
 # Unit roundoff u (half the gap between 1 and the next float): float16 keeps 11
@@ -228,7 +233,16 @@ def runs(c: Case, *, f32_route_dtypes=(F16,)):
     (`f32_route_dtypes`).
     """
     combos = [("half", F16), ("half", BF16)] + [("f32", d) for d in f32_route_dtypes]
-    return [pytest.param(c, dtype, route, id=f"{c.name}-{route}-{SHORT_NAMES[dtype]}") for route, dtype in combos]
+    return [
+        pytest.param(
+            c,
+            dtype,
+            route,
+            id=f"{c.name}-{route}-{SHORT_NAMES[dtype]}",
+            marks=pytest.mark.newest_only if dtype == BF16 or route == "f32" else (),
+        )
+        for route, dtype in combos
+    ]
 
 
 def sweep(cases, **kwargs):
@@ -1111,7 +1125,9 @@ def test_mixed_program_leaves_non_float32_outputs_identical():
     amp_f = jaxamp.amp(f, compute_dtype=F16)
     added = converts(jax.make_jaxpr(amp_f)(*args)) - converts(jax.make_jaxpr(f)(*args))
     assert added and all(src in (F32, F16) and dst in (F32, F16) for src, dst in added)
-    for actual, expected in zip(amp_f(*args)[1:], f(*args)[1:]):
+    # Against the program compiled whole, as amp's is: op by op, XLA may round
+    # the complex product's parts another way (it does at -O0 on JAX 0.10).
+    for actual, expected in zip(amp_f(*args)[1:], jax.jit(f)(*args)[1:]):
         assert np.asarray(actual).tobytes() == np.asarray(expected).tobytes()
 
 

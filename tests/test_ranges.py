@@ -131,6 +131,7 @@ def test_the_range_entry_can_be_switched_off_and_respects_the_users_primitive_en
     assert rows and all(r.decided_by == "user" and r.dtypes_after == ("f32",) for r in rows)
 
 
+@pytest.mark.newest_only
 @settings(max_examples=25, deadline=None)
 @given(
     scale=st.floats(1.0, 3e3),
