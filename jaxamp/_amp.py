@@ -80,7 +80,8 @@ def amp(
             the function changes in flax nnx modules among its arguments
             (BatchNorm statistics, RNG counts) is kept as it was when the
             forward pass was not finite (its output or that state), and so
-            is an ``eqx.nn.State`` it takes and returns; other state a
+            is an ``eqx.nn.State`` it takes and returns (one decision for
+            all devices, under `pmap` too); other state a
             function returns (Linen ``batch_stats``, haiku's state) is the
             caller's to keep: ``jaxamp.select_tree(opt_state.last_finite,
             new, old)`` after the update (docs/loss_scaling.md). Forward-mode
@@ -96,8 +97,11 @@ def amp(
     Raises:
         TypeError: `fn` is not callable, `compute_dtype` is not a float16,
             bfloat16 or float32 dtype (nor fp8 mode), or `amp_policy` is malformed.
-        ValueError: an unknown dtype name or policy string, or a `policy`
-            whose compute dtype disagrees with `compute_dtype`.
+        ValueError: an unknown dtype name or policy string, a `policy`
+            whose compute dtype disagrees with `compute_dtype`, or (when
+            called) a `loss_scale` optimizer state that a jitted function
+            closes over instead of taking it as an argument: its scale would
+            be a constant of the compiled function.
     """
     settings = dict(
         compute_dtype=compute_dtype,

@@ -70,7 +70,12 @@ def _finite(tree):
 def test_gradients_are_those_of_dynamic_scale_value_and_grad_bit_for_bit(scale):
     params, (x, y) = _params(), _batch()
     state = jaxamp.loss_scaling(optax.sgd(0.1), scaler=scale).init(params)
-    got = jax.jit(jax.value_and_grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=state)))(params, x, y)
+
+    @jax.jit
+    def value_and_grad(params, state, x, y):
+        return jax.value_and_grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=state))(params, x, y)
+
+    got = value_and_grad(params, state, x, y)
     explicit = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(_loss, compute_dtype="f16"))
     _, expected = jax.jit(explicit)(params, x, y, dynamic_scaler_state=jaxamp.DynamicScalerState(scaler=scale))
     assert _finite(got)
@@ -161,6 +166,35 @@ def test_the_decorator_form_takes_loss_scale():
 def test_bad_loss_scale_is_an_error_naming_the_value(bad, error, match):
     with pytest.raises(error, match=match):
         jaxamp.amp(_loss, compute_dtype="f16", loss_scale=bad)
+
+
+def test_a_state_the_jitted_step_closes_over_is_an_error():
+    # Its scale would be a constant of the compiled step: later steps would
+    # not see the scale the wrapper moves. Taken as an argument, it is live.
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+    params, (x, y) = _params(), _batch()
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def closes_over(params, x, y):
+        return jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=opt_state))(params, x, y)
+
+    with pytest.raises(ValueError, match="does not take as an argument.*Pass the optimizer state into the jitted"):
+        closes_over(params, x, y)
+    wrapped_outside = jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=opt_state))
+    with pytest.raises(ValueError, match="does not take as an argument"):
+        jax.jit(wrapped_outside)(params, x, y)
+
+    @jax.jit
+    def takes_it(params, opt_state, x, y):
+        return jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=opt_state))(params, x, y)
+
+    want = takes_it(params, opt_state, x, y)
+    # A Python float is a fixed scale by intent; eagerly, the state is read on each call.
+    fixed = jax.jit(jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=float(opt_state.scale))))
+    assert _bits(fixed(params, x, y)) == _bits(want)
+    for eager, jitted in zip(jax.tree_util.tree_leaves(wrapped_outside(params, x, y)), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(eager, jitted, rtol=1e-3, atol=1e-6)  # op by op: float16 rounding apart
 
 
 def test_two_scales_in_the_state_are_an_error():

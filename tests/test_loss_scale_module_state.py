@@ -7,6 +7,8 @@ state a loss returns (Linen ``batch_stats``) is kept by one line after the
 update: ``select_tree(opt_state.last_finite, new, old)``.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -144,6 +146,58 @@ def test_equinox_state_taken_and_returned_is_kept_automatically_on_a_nan_batch()
     assert bool(opt_state.last_finite)
     after = [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
     assert any(not np.array_equal(a, b) for b, a in zip(before, after)) and all(np.isfinite(a).all() for a in after)
+
+
+class _RunningMean(eqx.Module):
+    """The batch's mean, kept in an `eqx.nn.State` as BatchNorm keeps its statistics."""
+
+    index: eqx.nn.StateIndex
+
+    def __init__(self):
+        self.index = eqx.nn.StateIndex(jnp.zeros(D))
+
+    def __call__(self, x, state):
+        return x, state.set(self.index, 0.9 * state.get(self.index) + 0.1 * jnp.mean(x, axis=0))
+
+
+def test_under_pmap_a_nan_on_one_device_keeps_the_equinox_state_on_every_device():
+    # The keep decision is one for all devices, as loss_scaling's skip is: a
+    # device whose batch was finite does not commit the state of a step that
+    # every device skips.
+    n = 4
+    if jax.device_count() < n:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
+    running_mean, state = eqx.nn.make_with_state(_RunningMean)()
+    params = {"w": jnp.ones((D, 1)) / D}
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=8.0, axis_name="devices")
+
+    def loss_fn(params, state, x, y):
+        x, state = running_mean(x, state)
+        return jnp.mean((x @ params["w"] - y) ** 2), state
+
+    @functools.partial(jax.pmap, axis_name="devices")
+    def step(params, state, opt_state, x, y):
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        grads, state = jax.grad(loss, has_aux=True)(params, state, x, y)
+        return state, optimizer.update(grads, opt_state, params)[1]
+
+    def replicate(tree):
+        return jax.tree_util.tree_map(lambda v: jnp.stack([v] * n), tree)
+
+    def batches(bad_device):
+        xs, ys = zip(*[_batch(bad=device == bad_device, shift=float(device)) for device in range(n)])
+        return jnp.stack(xs), jnp.stack(ys)
+
+    args = replicate(params), replicate(state), replicate(optimizer.init(params))
+    new_state, opt_state = step(*args, *batches(bad_device=1))
+    assert not np.asarray(opt_state.last_finite).any()
+    for old, new in zip(jax.tree_util.tree_leaves(args[1]), jax.tree_util.tree_leaves(new_state)):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    # Without the NaN every device commits its own batch's mean.
+    new_state, opt_state = step(*args, *batches(bad_device=None))
+    assert np.asarray(opt_state.last_finite).all()
+    (means,) = jax.tree_util.tree_leaves(new_state)
+    assert np.isfinite(means).all() and len({np.asarray(m).tobytes() for m in means}) == n
 
 
 def test_linen_batch_stats_returned_through_aux_are_kept_by_select_tree():

@@ -83,6 +83,7 @@ __all__ = [
     "shard_map_body",
     "shard_map_mesh_axes",
     "shard_map_p",
+    "staging",
     "tangent_aval",
     "trace_keeping_calls",
     "trace_to_closed_jaxpr",
@@ -195,6 +196,24 @@ def eager_trace_context() -> Any:
         return _config.trace_context()
     except _DRIFT_ERRORS:  # pragma: no cover - future JAX
         return None
+
+
+def staging() -> bool:
+    """Whether the caller runs where values are staged into a program (under `jax.jit`, a scan body...).
+
+    False eagerly, and under transformations that compute as they go (eager
+    `jax.grad` or `jax.vmap`): there, a concrete array the caller holds is
+    read anew on each call, while a staged program keeps it as a constant.
+    """
+    try:
+        trace = _core.trace_ctx.trace
+        while trace is not None:
+            if isinstance(trace, _pe.DynamicJaxprTrace):
+                return True
+            trace = getattr(trace, "parent_trace", None)
+        return False
+    except _DRIFT_ERRORS:  # pragma: no cover - future JAX
+        return False
 
 
 class eqn_source:

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from ._dynamic_scaler import DynamicScalerState
-from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, select_tree
+from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, on_every_device, select_tree
 from ._loss_scaling import LossScaleState, find_scaler_state
 
 __all__ = [
@@ -80,19 +81,65 @@ def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
     """What `amp` hands `AmpOptions.run` for ``loss_scale=`` (validated by `as_loss_scale`).
 
     Returns:
-        ``wrap_inputs`` (unscale each floating input's cotangent),
-        ``wrap_outputs`` (scale each floating output's cotangent) and
-        ``keep_state``: a step whose forward pass is not finite will be
-        skipped, so the nnx module state it computed (batch statistics, RNG
-        counts) is not committed either; decided per device, by the values
-        that device computed.
+        ``wrap_inputs`` (unscale each floating input's cotangent; first,
+        `check_scale_is_live`), ``wrap_outputs`` (scale each floating
+        output's cotangent) and ``keep_state``: a step whose forward pass is
+        not finite will be skipped, so the nnx module state it computed
+        (batch statistics, RNG counts) is not committed either; decided once
+        for all devices (`forward_finite`).
     """
     scale = as_loss_scale(loss_scale)
+    from_state = not isinstance(loss_scale, (int, float, jax.Array, np.ndarray, np.generic))
+
+    def wrap_inputs(flat: list) -> list:
+        if from_state:
+            check_scale_is_live(scale)
+        return wrap_floating(flat, scale, unscale_on_backward)
+
     return {
-        "wrap_inputs": lambda flat: wrap_floating(flat, scale, unscale_on_backward),
+        "wrap_inputs": wrap_inputs,
         "wrap_outputs": lambda flat: wrap_floating(flat, scale, scale_on_backward),
-        "keep_state": lambda out, updates: local_all_finite((out, updates)),
+        "keep_state": lambda out, updates: forward_finite((out, updates)),
     }
+
+
+def check_scale_is_live(scale: jax.Array) -> None:
+    """Raise where a scale read from an optimizer state would be a constant of the program being compiled.
+
+    A state the jitted function closes over (or that `amp` was given outside
+    it) is read once, when the function is traced: every later step would run
+    with that scale while `loss_scaling` moves the one in the state, and a
+    step that overflowed at it would overflow again, skipped, forever.
+
+    Raises:
+        ValueError: `scale` is a concrete array and the caller runs inside
+            `jax.jit` (or another staging transformation).
+    """
+    if not isinstance(scale, jax.core.Tracer) and _compat.staging():
+        raise ValueError(
+            "amp's loss_scale is an optimizer state the function being compiled does not take as an "
+            "argument (it closes over it, or amp was given it outside): its scale would be a constant "
+            "of the compiled program, and later steps would not see the scale jaxamp.loss_scaling "
+            "moves. Pass the optimizer state into the jitted function and give that to amp: "
+            "`def step(params, opt_state, batch): ... jaxamp.amp(loss, compute_dtype='f16', "
+            "loss_scale=opt_state)`; or, for a fixed scale, pass a Python float."
+        )
+
+
+def forward_finite(tree: Any) -> jax.Array:
+    """Whether every inexact leaf of `tree` is finite on every device this runs on.
+
+    Inside `jax.pmap` or a ``shard_map(check_vma=False)`` each device sees its
+    own batch: the answer is reduced over all their mesh axes, so a NaN on one
+    device keeps the module state on all (as `loss_scaling` skips the step on
+    all). Elsewhere `on_every_device` decides, with no collective where the
+    values are global.
+    """
+    ok = local_all_finite(tree)
+    manual = _compat.manual_axes()
+    if manual and not _compat.tracks_varying_axes():
+        return on_every_device(ok, tuple(manual), what="amp's loss_scale")
+    return on_every_device(ok, what="amp's loss_scale")
 
 
 def as_loss_scale(loss_scale: Any) -> jax.Array:
@@ -152,8 +199,9 @@ def keep_returned_state(inputs: Any, out: Any) -> Any:
     recognised by its type, so it is kept automatically when `inputs` hold
     exactly one `eqx.nn.State` and each one `out` holds has its structure;
     otherwise `out` is returned as it is (the caller keeps it with
-    ``select_tree(opt_state.last_finite, new, old)``). Decided per device by
-    the forward values, as amp keeps flax nnx module state.
+    ``select_tree(opt_state.last_finite, new, old)``). Decided by the forward
+    values on every device (`forward_finite`), as amp keeps flax nnx module
+    state.
     """
     returned = [x for x in jax.tree_util.tree_leaves(out, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
     if not returned:
@@ -163,7 +211,7 @@ def keep_returned_state(inputs: Any, out: Any) -> Any:
         return out
     (old,) = given
     structure = jax.tree_util.tree_structure(old)
-    finite = local_all_finite(out)
+    finite = forward_finite(out)
 
     def keep(x: Any) -> Any:
         # (jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__.)
