@@ -10,7 +10,7 @@ from typing import Any
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
-from .scaling._in_grad import keep_returned_state, loss_scale_hooks
+from .scaling._in_grad import keep_returned_batch_stats, keep_returned_state, loss_scale_hooks
 
 __all__ = ["amp"]
 
@@ -67,7 +67,8 @@ def amp(
             dtype; amp warns once when it meets one.
         loss_scale: dynamic loss scaling inside the gradient, for float16:
             the state of an optimizer wrapped in `jaxamp.loss_scaling` (the
-            whole state tree; its one `LossScaleState` is found by type), a
+            whole state tree, or a flax ``TrainState`` holding it; its one
+            `LossScaleState` is found by type), a
             `DynamicScalerState`, or a scale (a positive float or float
             scalar array). The function's value is unchanged; a transform
             that differentiates it (`jax.grad`, `equinox.filter_grad`,
@@ -80,8 +81,10 @@ def amp(
             the function changes in flax nnx modules among its arguments
             (BatchNorm statistics, RNG counts) is kept as it was when the
             forward pass was not finite (its output or that state), and so
-            is an ``eqx.nn.State`` it takes and returns (one decision for
-            all devices, under `pmap` too); other state a
+            is an ``eqx.nn.State`` it takes and returns, and, where
+            `loss_scale` is a flax ``TrainState`` holding ``batch_stats``,
+            statistics it returns shaped like those (one decision for all
+            devices, under `pmap` too); other state a
             function returns (Linen ``batch_stats``, haiku's state) is the
             caller's to keep: ``jaxamp.select_tree(opt_state.last_finite,
             new, old)`` after the update (docs/loss_scaling.md). Forward-mode
@@ -129,7 +132,7 @@ def amp(
             state = _delayed_state(kwargs.pop("fp8_state", None))
             # Not cached eagerly: the histories are inputs of this call only.
             out = options.run(fn, args, kwargs, site_state=state.site_state(), **hooks)
-            return keep_returned_state((args, kwargs), out) if hooks else out
+            return _keep_returned(loss_scale, (args, kwargs), out) if hooks else out
         if "fp8_state" in kwargs and not _takes_keyword(fn, "fp8_state"):
             raise TypeError(
                 "fp8_state= is the amax histories of Fp8Recipe(scaling='delayed'); this function was made by "
@@ -138,7 +141,7 @@ def amp(
             )
         if hooks:
             # Not cached: the scale is an input of this call, often a tracer.
-            return keep_returned_state((args, kwargs), options.run(fn, args, kwargs, **hooks))
+            return _keep_returned(loss_scale, (args, kwargs), options.run(fn, args, kwargs, **hooks))
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]
@@ -167,3 +170,12 @@ def _delayed_state(state: Any) -> Fp8State:
             f"fp8_state must be a jaxamp.fp8.Fp8State (from jaxamp.fp8.init_fp8_state), got {type(state).__name__}."
         )
     return state
+
+
+def _keep_returned(loss_scale: Any, inputs: Any, out: Any) -> Any:
+    """`out` with the module state it returns kept where the forward pass was not finite.
+
+    An ``eqx.nn.State`` taken and returned, and a Linen ``batch_stats`` tree
+    shaped like the one of the ``TrainState`` given as `loss_scale`.
+    """
+    return keep_returned_batch_stats(loss_scale, keep_returned_state(inputs, out))

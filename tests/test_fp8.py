@@ -310,6 +310,7 @@ CONVS = {
 }
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", sorted(CONVS))
 def test_convolution_gradients_match_float32(name):
     options = CONVS[name]

@@ -76,7 +76,11 @@ def _assert_equal(got, want):
 
 
 @pytest.mark.parametrize("transformation", sorted(TRANSFORMATIONS))
-@pytest.mark.parametrize("scaling", sorted(RECIPES))
+@pytest.mark.parametrize(
+    "scaling",
+    # On the oldest JAX, every transformation with one recipe: the others take the same paths through JAX.
+    [pytest.param(s, marks=() if s == "tensorwise" else pytest.mark.newest_only) for s in sorted(RECIPES)],
+)
 def test_first_order_and_forward_mode_equal_float32_where_float8_is_exact(scaling, transformation):
     loss, w, v = _problem()
     run = TRANSFORMATIONS[transformation]

@@ -236,6 +236,55 @@ def test_linen_batch_stats_returned_through_aux_are_kept_by_select_tree():
     assert any(not np.array_equal(np.asarray(a), b) for b, a in zip(before, jax.tree_util.tree_leaves(stats)))
 
 
+def test_linen_batch_stats_of_a_train_state_given_as_loss_scale_are_kept_automatically():
+    # flax's own pattern (examples/imagenet): the TrainState holds batch_stats,
+    # the loss closes over it and returns the new ones in its aux. Given the
+    # TrainState, amp finds the scale in it and keeps the statistics.
+    from flax import linen as nn
+    from flax.training import train_state
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x)))
+
+    class TrainState(train_state.TrainState):
+        batch_stats: dict
+
+    net = Net()
+    variables = net.init(jax.random.PRNGKey(0), jnp.ones((4, D)))
+    state = TrainState.create(
+        apply_fn=net.apply,
+        params=variables["params"],
+        tx=jaxamp.loss_scaling(optax.adam(1e-2)),
+        batch_stats=variables["batch_stats"],
+    )
+
+    @jax.jit
+    def step(state, x, y):  # the bf16 step with its two lines changed
+        def loss_fn(params):
+            out, updates = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+            )
+            return jnp.mean((out - y) ** 2), (updates, out)
+
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=state)
+        (_, (updates, out)), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"]), out
+
+    state, _ = step(state, *_batch())
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(state.batch_stats)]
+    state, out = step(state, *_batch(bad=True))
+    assert not bool(state.opt_state.last_finite)
+    assert not np.isfinite(np.asarray(out)).all()  # other outputs are as the loss computed them
+    for b, a in zip(before, jax.tree_util.tree_leaves(state.batch_stats)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    state, _ = step(state, *_batch(shift=1.0))
+    assert bool(state.opt_state.last_finite)
+    after = [np.asarray(x) for x in jax.tree_util.tree_leaves(state.batch_stats)]
+    assert any(not np.array_equal(a, b) for b, a in zip(before, after)) and all(np.isfinite(a).all() for a in after)
+
+
 def test_nnx_statistics_of_a_clean_step_are_those_amp_computes_without_loss_scale():
     # The keep-or-commit select runs inside amp's program: the committed
     # statistics must not be rounded through float16 on the way.

@@ -13,6 +13,7 @@ non-finite where that pass overflowed, which `loss_scaling`'s update skips.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
@@ -27,6 +28,7 @@ from ._loss_scaling import LossScaleState, find_scaler_state
 
 __all__ = [
     "as_loss_scale",
+    "keep_returned_batch_stats",
     "keep_returned_state",
     "loss_scale_hooks",
     "scale_on_backward",
@@ -220,3 +222,50 @@ def keep_returned_state(inputs: Any, out: Any) -> Any:
         return x
 
     return jax.tree_util.tree_map(keep, out, is_leaf=_is_eqx_state)
+
+
+def _signature(tree: Any) -> list[tuple[tuple[str, ...], tuple[int, ...], Any]]:
+    """Each leaf's key path (as names: a dict and a flax FrozenDict alike), shape and dtype."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(tuple(str(getattr(k, "key", k)) for k in path), jnp.shape(v), jnp.result_type(v)) for path, v in leaves]
+
+
+def batch_stats_of(given: Any) -> Any:
+    """The ``batch_stats`` a flax ``TrainState`` (or a dict) given as amp's `loss_scale` holds, else None."""
+    stats = given.get("batch_stats") if isinstance(given, Mapping) else getattr(given, "batch_stats", None)
+    if (
+        stats is None
+        or not jax.tree_util.tree_leaves(stats)
+        or not all(map(is_inexact_leaf, jax.tree_util.tree_leaves(stats)))
+    ):
+        return None
+    return stats
+
+
+def keep_returned_batch_stats(given: Any, out: Any) -> Any:
+    """`out`, its trees shaped like `given`'s ``batch_stats`` replaced by them where the forward was not finite.
+
+    A Linen loss returns its new statistics (``apply(..., mutable=["batch_stats"])``)
+    and the script stores them in its ``TrainState``: given that state as
+    ``loss_scale=state``, amp recognises them by their key paths, shapes and
+    dtypes, so a NaN batch does not reach the statistics of a step the
+    optimizer skips. Decided on every device (`forward_finite`).
+    """
+    old = batch_stats_of(given)
+    if old is None:
+        return out
+    signature = _signature(old)
+    matches = lambda x: isinstance(x, Mapping) and _signature(x) == signature  # noqa: E731
+    found = [x for x in jax.tree_util.tree_leaves(out, is_leaf=matches) if matches(x)]
+    if not found:
+        return out
+    finite = forward_finite(out)
+    old_leaves = jax.tree_util.tree_leaves(old)
+
+    def keep(x: Any) -> Any:
+        if not matches(x):
+            return x
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        return jax.tree_util.tree_unflatten(treedef, [jnp.where(finite, a, b) for a, b in zip(leaves, old_leaves)])
+
+    return jax.tree_util.tree_map(keep, out, is_leaf=matches)
