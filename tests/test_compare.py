@@ -16,9 +16,6 @@ import pytest
 
 import jaxamp
 
-# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
-pytestmark = pytest.mark.jax_internals
-
 WIDTH = 64
 
 

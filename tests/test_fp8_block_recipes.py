@@ -23,9 +23,6 @@ from jaxamp.fp8._schemes import blocked_dot
 
 from jaxpr_walk import matmul_operand_dtypes
 
-# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
-pytestmark = pytest.mark.jax_internals
-
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 
@@ -117,7 +114,6 @@ def test_blockwise_quantiser_equals_a_reference_bit_for_bit(free_block):
     assert np.isnan(np.asarray(q, np.float32)[2, 5]) and np.isfinite(np.asarray(q, np.float32)[2, 6])
 
 
-@pytest.mark.newest_only
 @pytest.mark.parametrize("mode, block, free_block", [("mxfp8", 32, 1), ("blockwise", 128, 1), ("blockwise", 128, 128)])
 def test_blocked_product_is_the_sum_of_dequantised_block_products(mode, block, free_block):
     rng = np.random.default_rng(1)
@@ -140,7 +136,6 @@ def _signed_permutation(rng, n):
     return p
 
 
-@pytest.mark.newest_only
 @pytest.mark.parametrize("scaling", ["mxfp8", "blockwise"])
 def test_gradients_and_forward_mode_equal_float32_where_float8_is_exact(scaling):
     rng = np.random.default_rng(0)
@@ -234,7 +229,6 @@ def test_block_recipes_reject_power_of_two_scales_off():
         jaxamp.Fp8Recipe(scaling="mxfp8", power_of_two_scales=False)
 
 
-@pytest.mark.newest_only
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "mxfp8", "blockwise"])
 @pytest.mark.parametrize("gradient_format", [None, "e4m3", "e5m2"])
 def test_gradient_format_chooses_the_cotangent_dtype_of_every_gradient_matmul(scaling, gradient_format):

@@ -20,9 +20,6 @@ from jaxamp import Fp8Recipe
 
 from jaxpr_walk import matmul_operand_dtypes
 
-# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
-pytestmark = pytest.mark.jax_internals
-
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 BF16 = np.dtype(jnp.bfloat16)
 KEYS = jax.random.split(jax.random.key(0), 8)
@@ -76,7 +73,6 @@ def test_each_default_can_be_turned_off():
     )
 
 
-@pytest.mark.newest_only
 def test_gradients_with_the_defaults_stay_close_to_float32():
     grads = jax.grad(jaxamp.amp(_model, compute_dtype="fp8"), (1, 2))(*ARGS)
     want = jax.grad(_model, (1, 2))(*ARGS)

@@ -76,6 +76,7 @@ def test_init_finds_every_float8_matmul_with_its_scopes():
     assert list(jaxamp.init_fp8_state(default, *_problem()).histories) == ["dot_general"]
 
 
+@pytest.mark.newest_only
 def test_first_step_equals_current_scaling_and_its_gradient_holds_the_amaxes():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
@@ -217,6 +218,7 @@ def test_remat_recomputes_with_the_same_scales():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.newest_only
 def test_micro_batches_combine_by_max():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
@@ -444,6 +446,7 @@ def test_every_matmul_runs_in_float8_forward_and_backward():
     assert len(forward) == 2 and len(backward) == 3, matmuls
 
 
+@pytest.mark.newest_only
 def test_orbax_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     params, x, c = _problem()
@@ -505,6 +508,7 @@ def test_errors_name_the_fix():
             jaxamp.Fp8Recipe(scaling="delayed", **bad)
 
 
+@pytest.mark.newest_only
 def test_not_differentiating_the_state_warns_once(fresh_warnings):
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
@@ -574,6 +578,7 @@ def test_a_convolution_takes_its_history_without_a_warning():
     assert all(dtypes == (E4M3, E4M3) for _, dtypes in matmuls), matmuls
 
 
+@pytest.mark.newest_only
 def test_an_equinox_model_differentiated_with_its_state(fresh_warnings):
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(64, 32, 128, 1, key=jax.random.key(0))
@@ -594,6 +599,7 @@ def test_an_equinox_model_differentiated_with_its_state(fresh_warnings):
     assert grads.layers[0].weight.dtype == jnp.float32
 
 
+@pytest.mark.newest_only
 def test_an_eager_call_runs_the_delayed_recipe():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())

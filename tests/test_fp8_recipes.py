@@ -18,9 +18,6 @@ from jaxamp.fp8._matmul import quantize
 
 from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 
-# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
-pytestmark = pytest.mark.jax_internals
-
 KEYS = jax.random.split(jax.random.key(0), 8)
 
 
@@ -60,7 +57,6 @@ def _powers_of_two(key, shape):
     return signs * 2.0 ** jax.random.randint(k2, shape, -3, 3).astype(jnp.float32)
 
 
-@pytest.mark.newest_only
 @pytest.mark.parametrize("scaling", ["rowwise", "rowwise_with_gw_hp"])
 @pytest.mark.parametrize("name", sorted(DOTS))
 def test_rowwise_gradients_equal_float32_on_exact_values(name, scaling):
@@ -142,7 +138,6 @@ def test_bad_recipe_fields(fields, error, match):
         Fp8Recipe(**fields)
 
 
-@pytest.mark.newest_only
 def test_rowwise_with_gw_hp_makes_the_weight_gradient_bf16_accurate():
     # A random batched matmul (the "mixed" layout): the weight gradient in
     # bf16 has bf16's error (measured 0.37%); rowwise float8's is e4m3's and
@@ -164,7 +159,6 @@ def test_rowwise_with_gw_hp_makes_the_weight_gradient_bf16_accurate():
     assert errors["rowwise_with_gw_hp"][0] == errors["rowwise"][0], errors
 
 
-@pytest.mark.newest_only
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "mxfp8", "blockwise"])
 def test_fast_accumulation_is_recorded_on_each_passs_float8_gemms(scaling):
     """Forward GEMMs may accumulate fast (Precision.DEFAULT), gradient GEMMs not

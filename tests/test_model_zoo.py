@@ -165,6 +165,7 @@ def test_every_matmul_in_compute_dtype_forward_and_backward(make, dtype):
     assert assert_all_matmuls_in(grad_jaxpr, dtype) > n_forward
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("make", MODELS, ids=lambda m: m.__name__)
 def test_loss_close_to_float32_and_gradients_float32(make):
     loss, args = make()

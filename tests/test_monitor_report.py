@@ -17,9 +17,6 @@ from jax._src.array import ArrayImpl  # to count reads (see the first test)
 
 import jaxamp
 
-# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
-pytestmark = pytest.mark.jax_internals
-
 WIDTH = 16
 
 

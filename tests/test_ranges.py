@@ -55,6 +55,7 @@ def _exp_rows(fn, amp_policy=NO_TAIL):
     return [r for r in report.rows if r.primitive in ("exp", "exp2", "expm1")]
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("name", BOUNDED)
 def test_bounded_exponentials_run_in_float16(name):
     fn = BOUNDED[name]

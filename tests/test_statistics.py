@@ -21,9 +21,6 @@ from jaxamp import amp, default_amp_policy, use_current_precision
 
 from jaxpr_walk import iter_eqns
 
-# Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
-pytestmark = pytest.mark.jax_internals
-
 linen = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 

@@ -39,6 +39,7 @@ LOSSES = {
 }
 
 
+@pytest.mark.newest_only
 @pytest.mark.parametrize("compute_dtype", sorted(HALF))
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_losses_of_half_logits_equal_float32_losses(name, compute_dtype):
