@@ -54,13 +54,12 @@ def _free_port():
 
 def _start(tmp_path, name, num_processes, names):
     """`num_processes` worker processes doing the runs `names`, each run saved per process."""
-    runs = [[str(tmp_path / f"{run}-{name}-{p}.npz"), RUNS[run]] for run in names for p in range(num_processes)]
     port = _free_port()
     procs = []
     for process_id in range(num_processes):
-        mine = [[out, options] for out, options in runs if out.endswith(f"-{process_id}.npz")]
+        runs = [[str(tmp_path / f"{run}-{name}-{process_id}.npz"), RUNS[run]] for run in names]
         spec = tmp_path / f"{name}-{process_id}.json"
-        spec.write_text(json.dumps(mine))
+        spec.write_text(json.dumps(runs))
         cmd = [
             sys.executable,
             str(WORKER),
