@@ -48,6 +48,7 @@ def test_linear_equals_half_cast_linear():
     np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.newest_only
 def test_a_bare_linear_equals_the_half_precision_linear():
     # jaxamp 0.0.4's test_linear_amp: a layer's activations are no loss, so
     # there is no tail; every op runs by its table entry, as in hand-cast f16.
@@ -58,6 +59,7 @@ def test_a_bare_linear_equals_the_half_precision_linear():
     assert jnp.allclose(amp(linear)(x), half(x.astype(jnp.float16)))
 
 
+@pytest.mark.newest_only
 def test_a_linears_scalar_loss_adds_its_bias_in_float32_as_the_tail():
     linear = eqx.nn.Linear(5, 3, key=KEY)
     x = jax.random.normal(jax.random.PRNGKey(1), (5,))
@@ -67,6 +69,7 @@ def test_a_linears_scalar_loss_adds_its_bias_in_float32_as_the_tail():
     np.testing.assert_array_equal(amp(lambda x: jnp.sum(linear(x) ** 2))(x), expected)
 
 
+@pytest.mark.newest_only
 def test_amp_stop_decorator_gives_float32():
     linear = eqx.nn.Linear(5, 3, key=KEY)
     x = jax.random.normal(jax.random.PRNGKey(1), (5,))
@@ -81,6 +84,7 @@ class StopBiasLinear(eqx.nn.Linear):
         return x
 
 
+@pytest.mark.newest_only
 def test_amp_stop_context_keeps_bias_add_in_float32():
     linear = StopBiasLinear(5, 3, key=KEY)
     x = jax.random.normal(jax.random.PRNGKey(1), (5,))
@@ -91,6 +95,7 @@ def test_amp_stop_context_keeps_bias_add_in_float32():
     assert [tuple(v.aval.dtype for v in e.invars) for e in adds] == [(jnp.float32, jnp.float32)]
 
 
+@pytest.mark.newest_only
 def test_policy_entry_for_equinox_scope():
     linear = eqx.nn.Linear(5, 3, key=KEY)
     x = jax.random.normal(jax.random.PRNGKey(1), (5,))
@@ -134,6 +139,7 @@ def _dot_dtypes(jaxpr):
     return [e.invars[0].aval.dtype for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
 
 
+@pytest.mark.newest_only
 def test_a_table_mutated_between_calls_is_seen_by_cached_bodies():
     # The body of the inner jit is cached per table; the cache must key on the
     # table's contents, not on the dict object.
@@ -157,6 +163,7 @@ def test_a_table_mutated_between_calls_is_seen_by_cached_bodies():
     assert traced_dot_dtypes(table) == [jnp.float16]
 
 
+@pytest.mark.newest_only
 def test_batchnorm_under_vmap_with_axis_name():
     bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name="batch")
     x = jax.random.normal(KEY, (8, 4))
@@ -198,6 +205,7 @@ def test_call_forms_and_compute_dtype(make, dtype):
     assert f(W, X).dtype == jnp.float32
 
 
+@pytest.mark.newest_only
 def test_decorator_forms():
     @amp
     def a(w, x):
@@ -212,6 +220,7 @@ def test_decorator_forms():
     assert a.__name__ == "a"
 
 
+@pytest.mark.newest_only
 def test_outputs_restored_to_the_functions_own_dtypes():
     def f(w, x):
         y = x @ w
@@ -224,6 +233,7 @@ def test_outputs_restored_to_the_functions_own_dtypes():
     assert out["none"] is None and out["s"] == "tag" and out["n"] == 3
 
 
+@pytest.mark.newest_only
 def test_static_arguments_and_kwargs():
     def f(x, scale, *, activation, name):
         assert isinstance(scale, float) and isinstance(name, str)
@@ -233,6 +243,7 @@ def test_static_arguments_and_kwargs():
     np.testing.assert_allclose(out, f(X, 2.0, activation=jnp.tanh, name="layer"), atol=2e-2)
 
 
+@pytest.mark.newest_only
 def test_equinox_static_fields_are_static():
     class Scaled(eqx.Module):
         w: jax.Array
@@ -247,6 +258,7 @@ def test_equinox_static_fields_are_static():
     np.testing.assert_allclose(out, model(X), atol=2e-2)
 
 
+@pytest.mark.newest_only
 def test_numerics_close_to_float32():
     w = jax.random.normal(KEY, (64, 64)) / 8
     x = jax.random.normal(jax.random.PRNGKey(3), (16, 64))
@@ -265,6 +277,7 @@ def test_numerics_close_to_float32():
 # --- policy table semantics ----------------------------------------------------------
 
 
+@pytest.mark.newest_only
 def test_outermost_matching_scope_wins():
     def f(w, x):
         with jax.named_scope("outer"):
@@ -277,6 +290,7 @@ def test_outermost_matching_scope_wins():
     assert_all_matmuls_in(jax.make_jaxpr(amp(f, amp_policy=inner_only))(W, X), jnp.float32)
 
 
+@pytest.mark.newest_only
 def test_scope_opened_around_the_amp_call_counts():
     mixed = amp(_mlp, amp_policy=default_amp_policy | {"keep": use_original_precision})
 
@@ -302,6 +316,7 @@ def test_primitive_entry_and_amp_default():
     assert_all_matmuls_in(jax.make_jaxpr(amp(_mlp, amp_policy={}))(W, X), jnp.float32)
 
 
+@pytest.mark.newest_only
 def test_user_written_rule_receives_the_seed_signature():
     calls = []
 
@@ -327,6 +342,7 @@ def test_widest_precision_rule():
     assert_all_matmuls_in(jax.make_jaxpr(amp(f, amp_policy=policy))(a16, b32.astype(jnp.float16)), jnp.float16)
 
 
+@pytest.mark.newest_only
 def test_explicit_user_cast_is_respected():
     def f(w, x):
         y = (x @ w).astype(jnp.float32)
@@ -337,6 +353,7 @@ def test_explicit_user_cast_is_respected():
     assert exps[0].invars[0].aval.dtype == jnp.float32
 
 
+@pytest.mark.newest_only
 def test_unknown_primitive_runs_at_original_precision():
     def f(w, x):
         y = x @ w
@@ -355,6 +372,7 @@ def _tanh_after_matmul(w, x):
     return jnp.tanh(x @ w) @ w.T
 
 
+@pytest.mark.newest_only
 def test_amp_default_moving_operands_back_warns_once_naming_the_fix(fresh_warnings):
     # Without an entry for tanh, amp_default sends the bf16 matmul output back
     # to float32: a precision change the user did not ask for.
@@ -374,6 +392,7 @@ def test_amp_default_moving_operands_back_warns_once_naming_the_fix(fresh_warnin
         jax.make_jaxpr(amp(_tanh_after_matmul, amp_policy=table, compute_dtype="bf16"))(W, X)
 
 
+@pytest.mark.newest_only
 def test_amp_default_on_unmoved_operands_is_silent(fresh_warnings):
     # Operands that arrive in float32 and stay float32: no precision changed.
     table = {k: v for k, v in default_amp_policy.items() if k is not jax.lax.sin_p}
@@ -382,6 +401,7 @@ def test_amp_default_on_unmoved_operands_is_silent(fresh_warnings):
         amp(lambda x: jnp.sin(x) + 1.0, amp_policy=table)(X)
 
 
+@pytest.mark.newest_only
 def test_ints_bools_and_float64_are_never_cast():
     def f(i, b, x):
         return i * 2, jnp.logical_not(b), x @ x.T
@@ -396,6 +416,7 @@ def test_ints_bools_and_float64_are_never_cast():
 # --- amp_stop reaches nested bodies ---------------------------------------------------
 
 
+@pytest.mark.newest_only
 def test_amp_stop_reaches_jit_scan_and_remat_called_from_the_region():
     @jax.jit
     def jitted(w, x):
@@ -418,6 +439,7 @@ def test_amp_stop_reaches_jit_scan_and_remat_called_from_the_region():
 # --- composition ----------------------------------------------------------------------
 
 
+@pytest.mark.newest_only
 def test_grad_of_float32_params_is_float32():
     grads = jax.grad(amp(_mlp), argnums=(0, 1))(W, X)
     assert all(g.dtype == jnp.float32 for g in grads)
@@ -425,6 +447,7 @@ def test_grad_of_float32_params_is_float32():
     assert_all_matmuls_in(jax.make_jaxpr(jax.grad(amp(_mlp)))(W, X), jnp.float16, at_least=2)
 
 
+@pytest.mark.newest_only
 def test_inside_and_around_jit_and_vmap():
     f = amp(_mlp, compute_dtype="bf16")
     expected = f(W, X)
@@ -436,6 +459,7 @@ def test_inside_and_around_jit_and_vmap():
     np.testing.assert_allclose(batched, jnp.stack([f(W, x[None]) for x in X]), rtol=1e-2)
 
 
+@pytest.mark.newest_only
 def test_retrace_reads_python_state_afresh_unless_fn_is_jitted():
     # Under a transformation amp is a transformation like grad: every re-trace
     # of the caller runs fn's Python again, so state fn reads (a schedule's
@@ -465,6 +489,7 @@ def test_retrace_reads_python_state_afresh_unless_fn_is_jitted():
     assert state["runs"] == 1
 
 
+@pytest.mark.newest_only
 def test_with_equinox_filtered_transforms():
     model = eqx.nn.MLP(6, 2, 8, 2, key=KEY)
 
@@ -483,6 +508,7 @@ def test_nested_amp_behaves_as_amp():
     assert_all_matmuls_in(jax.make_jaxpr(amp(amp(_mlp)))(W, X), jnp.float16)
 
 
+@pytest.mark.newest_only
 def test_closures_over_arrays_and_traced_values():
     def outer(w, x):
         return amp(lambda x: x @ w)(x)  # w is a tracer of the outer grad
@@ -492,6 +518,7 @@ def test_closures_over_arrays_and_traced_values():
     np.testing.assert_allclose(g, jax.grad(lambda w: (X @ w).sum())(W), rtol=1e-2)
 
 
+@pytest.mark.newest_only
 def test_function_returning_none_and_tuples():
     assert amp(lambda x: None)(X) is None
     a, (b,) = amp(lambda x: (x, (x * 2,)))(X)
@@ -571,6 +598,7 @@ def test_policy_sets_compute_dtype(policy):
     assert f(W, X).dtype == jnp.float32
 
 
+@pytest.mark.newest_only
 def test_policy_output_dtype_casts_floating_outputs_only():
     out = amp(lambda w, x: (x @ w, jnp.argmax(x, -1)), policy="c=bf16")(W, X)  # o follows c
     assert out[0].dtype == jnp.bfloat16 and out[1].dtype == jnp.int32
@@ -591,6 +619,7 @@ def test_policy_and_compute_dtype_must_agree():
 # --- values beyond the half range -------------------------------------------------------
 
 
+@pytest.mark.newest_only
 def test_mask_constants_saturate_instead_of_becoming_inf():
     def masked_softmax(x, w, keep):
         return jax.nn.softmax(jnp.where(keep, x @ w, -1e9))  # -1e9 is -inf in float16
@@ -602,6 +631,7 @@ def test_mask_constants_saturate_instead_of_becoming_inf():
     np.testing.assert_allclose(out, masked_softmax(x, jnp.eye(3), keep), atol=2e-3)
 
 
+@pytest.mark.newest_only
 def test_unrepresentable_constants_saturate_to_the_half_maximum():
     # posinf = finfo(float32).max; the result feeds a matmul, so it is not the
     # program's tail (which runs in float32) and stays float16.
@@ -635,6 +665,7 @@ def test_a_saturating_cast_saves_nothing_for_the_backward_pass():
     np.testing.assert_array_equal(jax.grad(amp_loss, argnums=1)(w, b, x), jnp.full(8, 16.0))
 
 
+@pytest.mark.newest_only
 def test_prng_keys_pass_through():
     f = lambda k, x: jax.random.normal(k, x.shape) * (x @ x.T)  # noqa: E731
     for key in (jax.random.key(0), jax.random.PRNGKey(0)):

@@ -67,6 +67,7 @@ def _finite(tree):
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**7, 2.0**15])
+@pytest.mark.newest_only
 def test_gradients_are_those_of_dynamic_scale_value_and_grad_bit_for_bit(scale):
     params, (x, y) = _params(), _batch()
     state = jaxamp.loss_scaling(optax.sgd(0.1), scaler=scale).init(params)
@@ -83,6 +84,7 @@ def test_gradients_are_those_of_dynamic_scale_value_and_grad_bit_for_bit(scale):
     assert got[1]["w1"].dtype == jnp.float32
 
 
+@pytest.mark.newest_only
 def test_where_the_scaled_backward_overflows_both_paths_give_non_finite_gradients():
     params, (x, y) = _params(), _batch(big=30.0)
     scale = 2.0**15
@@ -100,6 +102,7 @@ def test_where_the_scaled_backward_overflows_both_paths_give_non_finite_gradient
     assert _finite(unscaled)
 
 
+@pytest.mark.newest_only
 def test_value_and_aux_come_back_unscaled():
     params, (x, y) = _params(), _batch()
     (value, aux), grads = jax.value_and_grad(
@@ -114,6 +117,7 @@ def test_value_and_aux_come_back_unscaled():
         np.testing.assert_allclose(np.asarray(g), np.asarray(p), rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.newest_only
 def test_gradients_keep_the_parameters_dtype():
     params, (x, y) = _params(jnp.bfloat16), _batch()
     grads = jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=2.0**8))(params, x, y)
@@ -217,6 +221,7 @@ def _train_step(optimizer):
     return step
 
 
+@pytest.mark.newest_only
 def test_a_step_that_overflows_is_skipped_and_the_next_one_trains():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**24, max_scaler=2.0**24)
     params, (x, y) = _params(), _batch(big=30.0)
@@ -235,6 +240,7 @@ def test_a_step_that_overflows_is_skipped_and_the_next_one_trains():
     assert _finite(params)
 
 
+@pytest.mark.newest_only
 def test_inside_a_lax_scan_training_loop():
     optimizer = jaxamp.loss_scaling(optax.adam(1e-2), scaler=2.0**20)
     params, (x, y) = _params(), _batch(big=30.0)
@@ -254,6 +260,7 @@ def test_inside_a_lax_scan_training_loop():
     assert float(values[-1]) < float(values[0]) and _finite(params)
 
 
+@pytest.mark.newest_only
 def test_under_vmap_per_example_gradients_are_unscaled():
     params, (x, y) = _params(), _batch()
     per_example = jax.vmap(jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=2.0**6)), in_axes=(None, 0, 0))(
@@ -266,6 +273,7 @@ def test_under_vmap_per_example_gradients_are_unscaled():
     np.testing.assert_allclose(np.asarray(per_example["w1"]), np.asarray(plain["w1"]), rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.newest_only
 def test_with_an_equinox_module_and_filter_value_and_grad():
     model = eqx.nn.MLP(D, 2, width_size=H, depth=1, key=jax.random.PRNGKey(0))
     x, y = _batch()
@@ -285,6 +293,7 @@ def test_with_an_equinox_module_and_filter_value_and_grad():
     assert bool(opt_state.last_finite)
 
 
+@pytest.mark.newest_only
 def test_with_an_nnx_module_and_nnx_value_and_grad():
     from flax import nnx
 
@@ -301,6 +310,7 @@ def test_with_an_nnx_module_and_nnx_value_and_grad():
     np.testing.assert_allclose(np.asarray(got["kernel"]), np.asarray(want["kernel"]), rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.newest_only
 def test_in_fp8_mode_gradients_match_the_explicit_path():
     params, (x, y) = _params(), _batch()
     got = jax.jit(jax.grad(jaxamp.amp(_loss, compute_dtype="fp8", loss_scale=2.0**4)))(params, x, y)
@@ -315,6 +325,7 @@ def test_in_fp8_mode_gradients_match_the_explicit_path():
 N = 4
 
 
+@pytest.mark.newest_only
 def test_under_pmap_an_overflow_on_one_replica_leaves_every_replica_with_the_same_scale():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**15, axis_name="batch")
     params = _params()
@@ -351,6 +362,7 @@ def test_under_pmap_an_overflow_on_one_replica_leaves_every_replica_with_the_sam
     np.testing.assert_array_equal(np.asarray(new_state.scale), [2.0**14] * N)
 
 
+@pytest.mark.newest_only
 def test_in_shard_map_with_check_vma_no_axis_name_is_needed():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**15)
     mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -382,6 +394,7 @@ def test_with_fp8_delayed_the_observed_amaxes_are_those_of_the_explicit_path():
     assert _bits(got) == _bits(expected)
 
 
+@pytest.mark.newest_only
 def test_under_jit_on_an_explicit_mesh_a_nan_in_one_shard_skips_the_step():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**15)
     mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -402,6 +415,7 @@ def test_under_jit_on_an_explicit_mesh_a_nan_in_one_shard_skips_the_step():
     assert _bits(new_params) == _bits(params)
 
 
+@pytest.mark.newest_only
 def test_in_shard_map_without_check_vma_the_wrapper_decides_over_its_axis_name():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**15, axis_name="dp")
     mesh = jax.make_mesh((N,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -95,12 +95,14 @@ def _named_layer(w, x):
     return jnp.sum(jnp.tanh(h) @ w.T)
 
 
+@pytest.mark.newest_only
 def test_checkpoint_name_keeps_the_compute_dtype():
     jaxpr = jax.make_jaxpr(jaxamp.amp(_named_layer, compute_dtype="bf16"))(W, X)
     assert operand_dtypes(jaxpr, "name") == [(BF16,)]
 
 
 @pytest.mark.parametrize("amp_outside", [True, False], ids=["amp(checkpoint)", "checkpoint(amp)"])
+@pytest.mark.newest_only
 def test_remat_policy_saves_named_values_in_compute_dtype(amp_outside):
     """save_only_these_names saves the named bf16 value, not a float32 copy of it."""
     policy = jax.checkpoint_policies.save_only_these_names("h")
@@ -117,6 +119,7 @@ def test_remat_policy_saves_named_values_in_compute_dtype(amp_outside):
 # --- collectives: a tensor-parallel layer ---------------------------------------------------
 
 
+@pytest.mark.newest_only
 def test_tensor_parallel_layer_stays_in_compute_dtype_across_its_all_reduce():
     """pvary, psum (psum_invariant inside shard_map) and what follows run in bf16."""
     mesh = jax.make_mesh((8,), ("tp",))
@@ -192,6 +195,7 @@ def _ragged(lhs, rhs):
     return lax.ragged_dot(lhs, rhs, _GROUPS)
 
 
+@pytest.mark.newest_only
 def test_ragged_dot_runs_in_compute_dtype_forward_and_backward():
     lhs, rhs = uniform(-1, 1, (_M, _K)), uniform(-1, 1, (len(_GROUPS), _K, _N))
 
@@ -255,6 +259,7 @@ ORIGINAL_PRECISION = {
 
 
 @pytest.mark.parametrize("name", ORIGINAL_PRECISION)
+@pytest.mark.newest_only
 def test_kept_primitives_get_float32_after_a_half_matmul_and_amp_says_nothing(name):
     """Callbacks, kernels, FFT, linear algebra, bitcasts and float32-only ops see float32, silently."""
     fn = _after_matmul(ORIGINAL_PRECISION[name])

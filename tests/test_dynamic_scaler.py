@@ -15,6 +15,7 @@ from jaxamp import DynamicScalerState, dynamic_scale_grad, dynamic_scale_value_a
 pytestmark = pytest.mark.jax_internals
 
 
+@pytest.mark.newest_only
 def test_dynamic_scaler():
     """The original jaxamp package's test, unchanged but for formatting."""
 
@@ -48,6 +49,7 @@ def test_dynamic_scaler():
 
 
 @pytest.mark.parametrize("filter", [True, False])
+@pytest.mark.newest_only
 def test_without_redo_each_overflow_costs_one_step(filter):
     state = DynamicScalerState(scaler=2**15, patience=10)
     fn = jax.jit(dynamic_scale_value_and_grad(lambda x: x**3, filter=filter, redo_on_nan=0))
@@ -75,22 +77,26 @@ def _step(fn, state, bad):
     return state, grads
 
 
+@pytest.mark.newest_only
 def test_finite_step_below_patience_counts_up(flagged_grad):
     state, grads = _step(flagged_grad, DynamicScalerState(patience=3, scaler=8.0, count=1), False)
     assert (float(state.scaler), int(state.count), int(state.total_resets)) == (8.0, 2, 0)
     np.testing.assert_array_equal(grads, [2.0, 4.0])
 
 
+@pytest.mark.newest_only
 def test_finite_step_at_patience_grows_and_restarts(flagged_grad):
     state, _ = _step(flagged_grad, DynamicScalerState(patience=3, scaler=8.0, count=3), False)
     assert (float(state.scaler), int(state.count), int(state.total_resets)) == (16.0, 0, 0)
 
 
+@pytest.mark.newest_only
 def test_count_above_patience_also_grows(flagged_grad):
     state, _ = _step(flagged_grad, DynamicScalerState(patience=3, scaler=8.0, count=7), False)
     assert (float(state.scaler), int(state.count)) == (16.0, 0)
 
 
+@pytest.mark.newest_only
 def test_non_finite_step_shrinks_resets_and_counts(flagged_grad):
     start = DynamicScalerState(patience=3, adjust_factor=4.0, scaler=8.0, count=2, total_resets=5)
     state, grads = _step(flagged_grad, start, True)
@@ -99,6 +105,7 @@ def test_non_finite_step_shrinks_resets_and_counts(flagged_grad):
     assert int(state.patience) == 3 and float(state.adjust_factor) == 4.0
 
 
+@pytest.mark.newest_only
 def test_full_growth_cycle_with_patience_two(flagged_grad):
     state = DynamicScalerState(patience=2, scaler=1.0)
     seen = []
@@ -108,6 +115,7 @@ def test_full_growth_cycle_with_patience_two(flagged_grad):
     assert seen == [(1, 1), (1, 2), (2, 0), (2, 1), (1, 0), (1, 1)]
 
 
+@pytest.mark.newest_only
 def test_shrinking_stops_at_min_scaler(flagged_grad):
     state = DynamicScalerState(scaler=4.0)
     seen = []
@@ -121,6 +129,7 @@ def test_shrinking_stops_at_min_scaler(flagged_grad):
     np.testing.assert_array_equal(grads, [2.0, 4.0])
 
 
+@pytest.mark.newest_only
 def test_custom_min_scaler_and_factor(flagged_grad):
     start = DynamicScalerState(scaler=1.0, adjust_factor=3.0, min_scaler=0.25)
     state, _ = _step(flagged_grad, start, True)
@@ -129,6 +138,7 @@ def test_custom_min_scaler_and_factor(flagged_grad):
     assert float(state.scaler) == 0.25 and float(state.min_scaler) == 0.25
 
 
+@pytest.mark.newest_only
 def test_growth_stops_at_max_scaler(flagged_grad):
     state = DynamicScalerState(scaler=2.0**22, patience=0)
     seen = []
@@ -158,6 +168,7 @@ def _finite_value_nan_grad(x):
     return jnp.where(x > 0, 1.0, x * jnp.nan)
 
 
+@pytest.mark.newest_only
 def test_redo_gives_up_at_min_scaler():
     fn = jax.jit(dynamic_scale_value_and_grad(_finite_value_nan_grad, redo_on_nan=10))
     state, (value, grad) = fn(jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState(scaler=4.0))
@@ -169,6 +180,7 @@ def test_redo_gives_up_at_min_scaler():
     assert np.isnan(grad)
 
 
+@pytest.mark.newest_only
 def test_redo_gives_up_after_redo_on_nan_retries():
     fn = jax.jit(dynamic_scale_value_and_grad(_finite_value_nan_grad, redo_on_nan=3))
     start = DynamicScalerState(scaler=2.0**10)
@@ -179,6 +191,7 @@ def test_redo_gives_up_after_redo_on_nan_retries():
 
 
 @pytest.mark.parametrize("entry_point", [dynamic_scale_value_and_grad, dynamic_scale_grad])
+@pytest.mark.newest_only
 def test_a_nonfinite_value_is_not_redone(entry_point):
     # A NaN in the data: no scale fixes it, so the step is skipped with one
     # shrink, not eleven (2**15 -> 2**14, not -> 16).
@@ -191,6 +204,7 @@ def test_a_nonfinite_value_is_not_redone(entry_point):
     assert float(state.scaler) == 2.0**14 and int(state.total_resets) == 1
 
 
+@pytest.mark.newest_only
 def test_a_half_precision_value_is_scaled_in_float32():
     # 60000 * 2 overflows float16; the value must not look like bad data.
     def loss(x):
@@ -203,6 +217,7 @@ def test_a_half_precision_value_is_scaled_in_float32():
     assert float(state.scaler) == 1.0 and float(grad[0]) == 60000.0
 
 
+@pytest.mark.newest_only
 def test_redo_stops_at_the_first_finite_attempt():
     fn = jax.jit(dynamic_scale_grad(lambda x: x**3, redo_on_nan=50))
     state, grad = fn(jnp.float16(2.0), dynamic_scaler_state=DynamicScalerState(scaler=2.0**20))
@@ -211,12 +226,14 @@ def test_redo_stops_at_the_first_finite_attempt():
     assert float(grad) == 12.0
 
 
+@pytest.mark.newest_only
 def test_redo_works_without_jit():
     fn = dynamic_scale_grad(lambda x: x**3, redo_on_nan=5)
     state, grad = fn(jnp.float16(2.0), dynamic_scaler_state=DynamicScalerState(scaler=2.0**14))
     assert float(state.scaler) == 2.0**12 and float(grad) == 12.0
 
 
+@pytest.mark.newest_only
 def test_value_and_grads_come_back_unscaled_in_float32():
     fn = dynamic_scale_value_and_grad(lambda p: jnp.sum(p["w"] * p["b"]), redo_on_nan=0)
     params = {"w": jnp.full(3, 2.0, jnp.float16), "b": jnp.full(3, 0.5, jnp.bfloat16)}
@@ -238,6 +255,7 @@ def test_nan_in_aux_does_not_touch_the_scale():
     assert float(value) == 9.0 and float(grad) == 6.0 and np.isnan(aux["ratio"])
 
 
+@pytest.mark.newest_only
 def test_redo_keeps_non_array_aux():
     def loss(x):
         return x**3, {"name": "cube", "n": 3, "ints": jnp.arange(2), "weak": jnp.asarray(1.0)}
@@ -280,6 +298,7 @@ def _mlp_loss(model, x):
     return jnp.sum(model(x) ** 2)
 
 
+@pytest.mark.newest_only
 def test_filter_true_differentiates_arrays_and_skips_other_fields():
     model = _MLP(jnp.array([1.0, 2.0]), jnp.array([0.5, -0.5]), jax.nn.relu, 2)
     fn = eqx.filter_jit(dynamic_scale_grad(_mlp_loss, filter=True))
@@ -303,18 +322,21 @@ def test_filter_false_uses_jax_grad():
         dynamic_scale_grad(_mlp_loss, filter=False)(loose, jnp.float32(1.0), dynamic_scaler_state=DynamicScalerState())
 
 
+@pytest.mark.newest_only
 def test_kwargs_are_forwarded_to_the_grad_transform():
     fn = dynamic_scale_grad(lambda a, b: a * b**2, filter=False, argnums=1)
     _, grad = fn(jnp.float32(3.0), jnp.float32(2.0), dynamic_scaler_state=DynamicScalerState())
     assert float(grad) == 12.0
 
 
+@pytest.mark.newest_only
 def test_dynamic_scale_tx_with_a_custom_transform():
     tx = jaxamp.dynamic_scale_tx(jax.grad)
     state, grad = tx(lambda x: x**2)(jnp.float32(3.0), dynamic_scaler_state=DynamicScalerState())
     assert float(grad) == 6.0 and int(state.count) == 1
 
 
+@pytest.mark.newest_only
 def test_state_normalises_python_numbers():
     state = DynamicScalerState(patience=10, adjust_factor=3, scaler=2**15, count=np.int64(2))
     dtypes = [leaf.dtype for leaf in state]
@@ -328,6 +350,7 @@ def test_state_normalises_python_numbers():
     assert jaxamp.DynamicLossScaler is DynamicScalerState
 
 
+@pytest.mark.newest_only
 def test_seed_fields_keep_their_positions_and_defaults():
     # The original jaxamp's four fields, in order, positionally; bounds trail.
     state = DynamicScalerState(7, 4.0, 2.0**10, 3)
@@ -371,6 +394,7 @@ def test_state_rejects_bad_fields(kwargs, error, match):
         DynamicScalerState(**kwargs)
 
 
+@pytest.mark.newest_only
 def test_custom_bounds_admit_scales_outside_the_defaults():
     state = DynamicScalerState(scaler=2.0**-4, min_scaler=2.0**-8, max_scaler=2.0**30)
     assert float(state.scaler) == 2.0**-4 and float(state.max_scaler) == 2.0**30
@@ -379,6 +403,7 @@ def test_custom_bounds_admit_scales_outside_the_defaults():
     assert float(traced) == 2.0**30
 
 
+@pytest.mark.newest_only
 def test_a_state_edited_out_of_its_bounds_is_rejected_when_used():
     fn = dynamic_scale_grad(lambda x: x**2)
     state = DynamicScalerState()._replace(scaler=jnp.float32(0.5))
@@ -386,6 +411,7 @@ def test_a_state_edited_out_of_its_bounds_is_rejected_when_used():
         fn(jnp.float32(1.0), dynamic_scaler_state=state)
 
 
+@pytest.mark.newest_only
 def test_state_is_a_namedtuple_pytree():
     state = DynamicScalerState(patience=4)
     assert isinstance(state, tuple) and state._fields[-1] == "max_scaler"
@@ -405,6 +431,7 @@ def test_state_is_a_namedtuple_pytree():
     assert jax.tree_util.tree_map(lambda _: 0, state).scaler == 0
 
 
+@pytest.mark.newest_only
 def test_state_carried_through_jit_without_retracing():
     traces = []
 
@@ -423,6 +450,7 @@ def test_state_carried_through_jit_without_retracing():
 
 @pytest.mark.parametrize("redo_on_nan", [0, 3])
 @pytest.mark.parametrize("entry_point", [dynamic_scale_value_and_grad, dynamic_scale_grad])
+@pytest.mark.newest_only
 def test_the_loss_is_traced_once_per_call(entry_point, redo_on_nan):
     # Hugging Face's compute_loss pops the labels from the batch: a second
     # trace of the loss would raise KeyError.
@@ -441,6 +469,7 @@ def test_the_loss_is_traced_once_per_call(entry_point, redo_on_nan):
     assert len(traces) == 2 and int(state.count) == 2
 
 
+@pytest.mark.newest_only
 def test_redo_on_nan_defaults_to_zero_everywhere():
     import inspect
 

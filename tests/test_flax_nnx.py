@@ -97,6 +97,7 @@ def test_import_and_amp_do_not_import_flax():
 # --- the module-argument style ------------------------------------------------
 
 
+@pytest.mark.newest_only
 def test_amp_keeps_the_modules_state_updates():
     # amp traced a copy of the module and dropped what the function did to it:
     # the running statistics stayed zero and the dropout counter did not move.
@@ -111,6 +112,7 @@ def test_amp_keeps_the_modules_state_updates():
     assert_same_state_as_plain(model, plain)
 
 
+@pytest.mark.newest_only
 def test_forward_matmuls_are_bf16():
     model = make_model()
     jaxpr = jax.make_jaxpr(lambda m, x, y: jaxamp.amp(loss_fn, **BF16)(m, x, y))(model, X, Y)
@@ -131,6 +133,7 @@ def _plain_train_step(model, x, y, lr=0.1):
     return loss, grads
 
 
+@pytest.mark.newest_only
 def test_value_and_grad_inside_nnx_jit_matches_float32():
     model, plain = make_model(), make_model()
     loss, grads = nnx.jit(_train_step)(model, X, Y)
@@ -148,6 +151,7 @@ def test_value_and_grad_inside_nnx_jit_matches_float32():
     np.testing.assert_allclose(model.linear1.kernel[...], plain.linear1.kernel[...], rtol=RTOL, atol=1e-3)
 
 
+@pytest.mark.newest_only
 def test_value_and_grad_matmuls_are_bf16_forward_and_backward():
     model = make_model()
 
@@ -159,6 +163,7 @@ def test_value_and_grad_matmuls_are_bf16_forward_and_backward():
     assert_all_matmuls_in(jaxpr, jnp.bfloat16, at_least=5)
 
 
+@pytest.mark.newest_only
 def test_rngs_and_modules_as_keyword_and_nested_arguments():
     def loss_with_rngs(models, *, batch, rngs):
         model = models["model"]
@@ -190,6 +195,7 @@ def test_module_as_the_function_and_bound_method():
     assert_same_state_as_plain(model, plain)
 
 
+@pytest.mark.newest_only
 def test_state_keeps_its_dtype_under_a_bf16_output_policy():
     model, plain = make_model(), make_model()
     loss = jaxamp.amp(loss_fn, policy="p=f32,c=bf16,o=bf16")(model, X, Y)
@@ -209,6 +215,7 @@ def test_returned_module_is_the_callers():
     assert _count(model) == 1
 
 
+@pytest.mark.newest_only
 def test_shared_variables_stay_shared():
     class Tied(nnx.Module):
         def __init__(self, linear):
@@ -226,6 +233,7 @@ def test_shared_variables_stay_shared():
     np.testing.assert_array_equal(model.linear1.bias[...], jnp.ones(16))
 
 
+@pytest.mark.newest_only
 def test_non_pytree_module():
     class Counter(nnx.Module, pytree=False):
         def __init__(self):
@@ -270,6 +278,7 @@ def scanned_loss(blocks, x):
     return jnp.mean(layer(blocks, x) ** 2)
 
 
+@pytest.mark.newest_only
 def test_nnx_scan_and_remat_inside_amp():
     @nnx.vmap(in_axes=0, out_axes=0)
     def make_blocks(key):
@@ -288,6 +297,7 @@ def test_nnx_scan_and_remat_inside_amp():
 # --- the split/merge style under jax.jit ---------------------------------------
 
 
+@pytest.mark.newest_only
 def test_split_merge_step_under_jax_jit_matches_float32():
     def make_step(loss):
         @jax.jit

@@ -45,6 +45,7 @@ def _all_reduce_dtypes(hlo):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.newest_only
 def test_data_parallel_gradient_all_reduces_run_in_float32(axis_type):
     # float16: XLA's CPU backend keeps float16 dots (it upcasts bfloat16 ones,
     # so a bfloat16 step all-reduces float32 on CPU either way; on a GPU it
@@ -64,6 +65,7 @@ def test_data_parallel_gradient_all_reduces_run_in_float32(axis_type):
                 assert jax.typeof(grads[name]) == jax.typeof(plain[name])
 
 
+@pytest.mark.newest_only
 def test_every_matmul_runs_half_operands_with_float32_accumulation():
     loss = jaxamp.amp(_loss, compute_dtype="f16", float32_gradient_reductions=True)
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(_params(), _batch())
@@ -88,6 +90,7 @@ def test_gradients_match_float32_as_closely_as_without_the_option():
             assert error < 1.5e-2, (option, name, error)
 
 
+@pytest.mark.newest_only
 def test_a_matmul_the_table_keeps_in_float32_is_left_alone():
     table = jaxamp.default_amp_policy | {jax.lax.dot_general_p: jaxamp.use_original_precision}
     loss = jaxamp.amp(_loss, compute_dtype="f16", amp_policy=table, float32_gradient_reductions=True)

@@ -179,6 +179,7 @@ def _flat_grads(grads):
 
 
 @pytest.mark.parametrize("make", ZOO, ids=lambda m: m.__name__)
+@pytest.mark.newest_only
 def test_loss_and_gradients_close_to_float32(make):
     loss, args = make()
     value, grads = eqx.filter_jit(eqx.filter_value_and_grad(amp(loss, compute_dtype=EVERY)))(*args)
@@ -240,6 +241,7 @@ def test_a_nonfinite_entry_poisons_only_its_row_as_in_bf16(bad):
 
 
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+@pytest.mark.newest_only
 def test_nonfinite_input_makes_loss_and_gradients_nonfinite(bad):
     loss, (model, x) = mlp()
     x = x.at[3, 5].set(bad)
@@ -417,6 +419,7 @@ def test_pallas_kernel_matmuls_are_listed_and_not_taken_for_the_last_matmul():
     ]
 
 
+@pytest.mark.newest_only
 def test_keep_last_matmul_bf16_inside_a_jitted_function():
     # The head runs inside a jit'd function called last: program order walks
     # into bodies.
@@ -461,6 +464,7 @@ def test_everything_but_matmuls_follows_bf16_mode():
     assert dtypes("fp8") == dtypes("bf16")
 
 
+@pytest.mark.newest_only
 def test_find_nonfinite_in_fp8_mode():
     x = X.at[0, 0].set(jnp.nan)
     found = jaxamp.find_nonfinite(_two_layers, compute_dtype=EVERY)(P, x)
@@ -469,6 +473,7 @@ def test_find_nonfinite_in_fp8_mode():
     assert jaxamp.find_nonfinite(_two_layers, compute_dtype=EVERY)(P, X) is None
 
 
+@pytest.mark.newest_only
 def test_fp8_under_jit_vmap_and_with_a_policy():
     assert jax.jit(amp(_two_layers, compute_dtype="float8"))(P, X).dtype == jnp.float32
     value = jax.jit(amp(_two_layers, compute_dtype=EVERY))(P, X)
@@ -516,6 +521,7 @@ def test_fp8_with_a_disagreeing_policy():
         amp(_two_layers, compute_dtype="fp8", policy="c=f16")
 
 
+@pytest.mark.newest_only
 def test_fp8_mode_sees_a_table_changed_between_calls():
     # fp8 mode's matmul rules join the user's table at each call, so an edit of
     # that table between calls takes effect (as in every other mode).

@@ -64,6 +64,7 @@ def _bf16(x):
     return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
 
 
+@pytest.mark.newest_only
 def test_init_finds_every_float8_matmul_with_its_scopes():
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
     state = jaxamp.init_fp8_state(loss, *_problem())
@@ -191,6 +192,7 @@ def _run_steps(fn, ws, x, steps=3):
     return state, grads
 
 
+@pytest.mark.newest_only
 def test_one_history_per_layer_under_scan_as_unrolled_layers():
     ws, x = _scan_problem()
     state, grads = _run_steps(_layers, ws, x)
@@ -209,6 +211,7 @@ def test_one_history_per_layer_under_scan_as_unrolled_layers():
     assert (history[:, 2, :3] > 0).all() and not history[..., 3].any()
 
 
+@pytest.mark.newest_only
 def test_remat_recomputes_with_the_same_scales():
     ws, x = _scan_problem()
     state, grads = _run_steps(_layers, ws, x)
@@ -283,6 +286,7 @@ def _conv(w, x):
     return jnp.mean(y.astype(jnp.float32) ** 2)
 
 
+@pytest.mark.newest_only
 def test_a_batch_the_jit_closes_over_on_an_explicit_mesh():
     # The batch a constant of the trace, split over an Explicit mesh, reaches
     # the first convolution as it is: the amax helper's zeros must be split
@@ -323,6 +327,7 @@ def _per_device_observations(how, loss, params, state, x, c, mesh):
 
 
 @pytest.mark.parametrize("how", ["check_vma", "no check_vma", "pmap"])
+@pytest.mark.newest_only
 def test_inside_shard_map_or_pmap_every_device_observes_the_global_amaxes(how):
     """amp'd inside a per-device body: each device's observation is the maximum over all of them, so the
     replicated state stays one state (and the first step, from live amaxes, traces under check_vma)."""
@@ -559,6 +564,7 @@ def test_each_branch_of_a_cond_has_its_own_history():
     )
 
 
+@pytest.mark.newest_only
 def test_a_convolution_takes_its_history_without_a_warning():
     k = jax.random.split(jax.random.key(2), 2)
     w, x = jax.random.normal(k[0], (3, 3, 16, 32)) * 0.1, jax.random.normal(k[1], (4, 8, 8, 16))

@@ -224,6 +224,7 @@ def test_per_shard_scales_need_no_all_reduce_beyond_bf16(mode, layout, extra):
     assert counts[str(FP8)] == counts["bf16"] + extra, counts
 
 
+@pytest.mark.newest_only
 def test_auto_mesh_fsdp_gathers_float8_weights_after_one_agreed_scale():
     # Each device scales its own activation and cotangent shards; an FSDP
     # weight's shards agree on one scale (XLA combines the weights' amaxes
@@ -363,6 +364,7 @@ def test_auto_mesh_convolutions_scale_per_device_with_no_all_reduce_beyond_bf16(
         assert _relative_error(examples[name][3], one[name]) < 1e-5, name
 
 
+@pytest.mark.newest_only
 def test_an_fsdp_weight_is_gathered_in_float8_after_one_agreed_scale():
     # The FSDP layout of the sharding matrix on an Explicit mesh: each weight's
     # amax is reduced once (XLA combines the three scalars into one
@@ -388,6 +390,7 @@ def _replicated(mesh, tree):
     return jax.device_put(tree, jax.sharding.NamedSharding(mesh, P()))
 
 
+@pytest.mark.newest_only
 def test_explicit_mesh_convolutions_scale_per_device_with_float8_residuals():
     # The data-parallel two-convolution step on an Explicit mesh: 5
     # all-reduces with one scale per tensor (before), 1 (the kernels'

@@ -81,6 +81,7 @@ def _assert_equal(got, want):
     # On the oldest JAX, every transformation with one recipe: the others take the same paths through JAX.
     [pytest.param(s, marks=() if s == "tensorwise" else pytest.mark.newest_only) for s in sorted(RECIPES)],
 )
+@pytest.mark.newest_only
 def test_first_order_and_forward_mode_equal_float32_where_float8_is_exact(scaling, transformation):
     loss, w, v = _problem()
     run = TRANSFORMATIONS[transformation]
@@ -88,6 +89,7 @@ def test_first_order_and_forward_mode_equal_float32_where_float8_is_exact(scalin
 
 
 @pytest.mark.parametrize("transformation", ["jvp", "linearize", "jacfwd"])
+@pytest.mark.newest_only
 def test_forward_mode_runs_the_forward_matmuls_in_float8(transformation):
     loss, w, v = _problem()
     fp8 = jaxamp.amp(loss, compute_dtype=RECIPES["tensorwise"])
@@ -99,6 +101,7 @@ def test_forward_mode_runs_the_forward_matmuls_in_float8(transformation):
     assert all(d in (E4M3, jnp.dtype(jnp.bfloat16)) for _, ds in dtypes for d in ds), dtypes
 
 
+@pytest.mark.newest_only
 def test_reverse_mode_keeps_float8_residuals_and_e5m2_cotangents():
     loss, w, v = _problem()
     saved = {}
@@ -126,6 +129,7 @@ HIGHER_ORDER = {
 
 
 @pytest.mark.parametrize("transformation", sorted(set(HIGHER_ORDER) - {"jvp(jit(grad))"}))
+@pytest.mark.newest_only
 def test_a_derivative_of_a_derivative_runs_its_matmuls_in_bf16_with_a_warning(transformation, fresh_warnings):
     # Once fp8 mode returned -inf (forward over reverse) or half the value
     # (grad of grad) without a word, then raised. amp sees the operands
@@ -138,6 +142,7 @@ def test_a_derivative_of_a_derivative_runs_its_matmuls_in_bf16_with_a_warning(tr
     _assert_equal(got, run(loss, w, v))
 
 
+@pytest.mark.newest_only
 def test_a_hessian_in_fp8_mode_is_bf16_modes_on_random_values(fresh_warnings):
     k = jax.random.split(jax.random.key(0), 3)
     x, w1, w2 = (jax.random.normal(ki, (32, 32)) for ki in k)
@@ -231,6 +236,7 @@ def test_a_matmul_in_a_jit_nested_in_a_custom_jvp_rule_runs_in_bf16_with_a_warni
     _assert_equal(grads, jax.grad(custom, (0, 1))(*w))
 
 
+@pytest.mark.newest_only
 def test_random_values_forward_mode_agrees_with_reverse_mode_within_float8_rounding():
     # <grad f(w), v> and jvp(f)(w; v) are the same straight-through derivative,
     # the first with e5m2 cotangents, the second with bf16 tangent products.

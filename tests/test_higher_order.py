@@ -26,6 +26,7 @@ def _eqns(jaxpr, name):
     return [e for e in iter_eqns(jaxpr) if e.primitive.name == name]
 
 
+@pytest.mark.newest_only
 def test_jit_parameters_are_kept():
     mesh = jax.make_mesh((8,), ("d",))
     sharding = NamedSharding(mesh, P("d"))
@@ -46,6 +47,7 @@ def test_jit_parameters_are_kept():
 
 
 @pytest.mark.parametrize("reverse, unroll", [(False, 1), (True, 2)])
+@pytest.mark.newest_only
 def test_scan_parameters_kept_and_carry_type_stable(reverse, unroll):
     def f(w, x):
         def body(h, xi):
@@ -68,6 +70,7 @@ def test_scan_parameters_kept_and_carry_type_stable(reverse, unroll):
     np.testing.assert_allclose(ys, ys0, atol=5e-2)
 
 
+@pytest.mark.newest_only
 def test_scan_carry_that_cannot_settle_falls_back_to_original_dtype():
     def body(c, _):
         # The carry alternates: the matmul half-casts it, exp returns float32.
@@ -120,6 +123,7 @@ def test_switch_with_matching_branches_stays_in_compute_dtype():
         np.testing.assert_allclose(amp(f)(i, W, X), f(i, W, X), atol=3e-2)
 
 
+@pytest.mark.newest_only
 def test_remat_policy_and_prevent_cse_kept():
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
@@ -149,6 +153,7 @@ def _scaled_sin_jvp(primals, tangents):
     return _scaled_sin(w, x), 3.0 * jnp.cos(x @ w) * (x @ tw + tx @ w)
 
 
+@pytest.mark.newest_only
 def test_custom_jvp_rule_stays_in_force_with_compute_dtype_matmuls():
     f = lambda w, x: _scaled_sin(w, x).sum()  # noqa: E731
     g = jax.grad(amp(f))(W, X)
@@ -178,6 +183,7 @@ def _odd_tanh_bwd(res, g):
 _odd_tanh.defvjp(_odd_tanh_fwd, _odd_tanh_bwd)
 
 
+@pytest.mark.newest_only
 def test_custom_vjp_rule_stays_in_force_with_compute_dtype_matmuls():
     f = lambda w, x: _odd_tanh(w, x).sum()  # noqa: E731
     gw, gx = jax.grad(amp(f), argnums=(0, 1))(W, X)
@@ -189,6 +195,7 @@ def test_custom_vjp_rule_stays_in_force_with_compute_dtype_matmuls():
     assert_all_matmuls_in(jax.make_jaxpr(jax.grad(amp(f)))(W, X), jnp.float16, at_least=3)
 
 
+@pytest.mark.newest_only
 def test_custom_vjp_under_jit_vmap_and_value_and_grad():
     f = lambda w, x: _odd_tanh(w, x).sum()  # noqa: E731
     v, g = jax.jit(jax.value_and_grad(amp(f)))(W, X)
@@ -205,6 +212,7 @@ def test_custom_vjp_under_jit_vmap_and_value_and_grad():
     ],
     ids=["make_mesh", "Mesh"],
 )
+@pytest.mark.newest_only
 def test_shard_map_body_in_compute_dtype_with_collectives_untouched(make_mesh):
     mesh = make_mesh()
 
@@ -227,6 +235,7 @@ def test_shard_map_body_in_compute_dtype_with_collectives_untouched(make_mesh):
     np.testing.assert_allclose(g, g0, rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.newest_only
 def test_closed_call_body_is_rewritten():
     from jax.extend.core import ClosedJaxpr
     from jax.extend.core.primitives import closed_call_p
@@ -341,6 +350,7 @@ def _four_inline_layers(w, x):
     return jnp.sum(x**2)
 
 
+@pytest.mark.newest_only
 def test_each_distinct_inline_call_is_rewritten_once():
     # A rule that counts its calls: amp rewrites the shared body once per
     # operand dtypes, not once per call site, so JAX's per-jaxpr caches
@@ -359,6 +369,7 @@ def test_each_distinct_inline_call_is_rewritten_once():
     assert_all_matmuls_in(jaxpr, jnp.float16, at_least=11)
 
 
+@pytest.mark.newest_only
 def test_inline_calls_are_inlined_as_without_amp():
     # amp keeps the call while it rewrites, and JAX inlines it when amp binds it,
     # so the rewritten program has the structure JAX gives the original.
@@ -371,6 +382,7 @@ def test_inline_calls_are_inlined_as_without_amp():
     np.testing.assert_allclose(g, g0, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.newest_only
 def test_rewritten_equations_keep_the_users_source_lines():
     def f(w, x):
         return jnp.where(x > 0, x @ w, 0.0).sum()  # every op here sits in a jnp jit

@@ -77,6 +77,7 @@ def _steppers(patience, adjust_factor, min_scaler, max_scaler):
     adjust_factor=st.sampled_from([1.0, 2.0, 3.0]),
     bounds=st.sampled_from([(1.0, 2.0**24), (2.0, 16.0), (8.0, 8.0), (0.5, 100.0)]),
 )
+@pytest.mark.newest_only
 def test_the_wrapper_moves_the_scale_as_dynamic_scaler_state_does(steps, patience, adjust_factor, bounds):
     wrapper, wrapper_step, scaler_step = _steppers(patience, adjust_factor, *bounds)
     state = wrapper.init({"w": jnp.ones(3)})
@@ -91,6 +92,7 @@ def test_the_wrapper_moves_the_scale_as_dynamic_scaler_state_does(steps, patienc
         assert bounds[0] <= float(state.scale) <= bounds[1]
 
 
+@pytest.mark.newest_only
 def test_a_non_finite_step_is_skipped_the_inner_state_kept_bit_for_bit_and_the_scale_halved():
     optimizer = jaxamp.loss_scaling(optax.adam(0.1), scaler=2.0**10)
     params = _params()
@@ -117,6 +119,7 @@ def test_finite_steps_give_the_inner_optimizers_updates_bit_for_bit():
     assert int(state.scaler_state.count) == 3
 
 
+@pytest.mark.newest_only
 def test_the_scale_stays_within_its_bounds_never_zero_nor_inf():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1), scaler=4.0, min_scaler=1.0, patience=0, max_scaler=2.0**127)
     params = _params()
@@ -160,6 +163,7 @@ def test_update_with_another_state_is_a_type_error_naming_it():
 # --- composition ------------------------------------------------------------------
 
 
+@pytest.mark.newest_only
 def test_inside_a_chain_the_clip_before_it_sees_the_nan_and_the_step_is_skipped():
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), jaxamp.loss_scaling(optax.adam(0.1)))
     params = _params()
@@ -201,6 +205,7 @@ def test_around_multisteps_one_decision_per_real_step():
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(state.inner_state.acc_grads))
 
 
+@pytest.mark.newest_only
 def test_outside_multisteps_a_skipped_real_step_keeps_the_inner_state_bit_for_bit():
     optimizer = jaxamp.loss_scaling(optax.MultiSteps(optax.adam(0.1), every_k_schedule=2))
     params = _params()
@@ -216,6 +221,7 @@ def test_outside_multisteps_a_skipped_real_step_keeps_the_inner_state_bit_for_bi
     assert not np.any(np.asarray(updates["w"])) and bool(state.step_finite)
 
 
+@pytest.mark.newest_only
 def test_inside_multisteps_one_decision_per_real_step_on_finite_steps():
     # Inside MultiSteps the wrapper's state only moves when a real step is
     # taken (MultiSteps keeps the inner state between them).
@@ -244,6 +250,7 @@ def test_inject_hyperparams_inside_and_outside():
         np.testing.assert_allclose(np.asarray(updates["b"]), -0.1, rtol=1e-5)  # adam's first step
 
 
+@pytest.mark.newest_only
 def test_an_orbax_round_trip_restores_the_state_and_its_behaviour(tmp_path):
     optimizer = jaxamp.loss_scaling(optax.adam(0.1), scaler=2.0**12, patience=1)
     params = _params()
@@ -267,6 +274,7 @@ def test_an_orbax_round_trip_restores_the_state_and_its_behaviour(tmp_path):
 # --- finding the scale in an optimizer state ---------------------------------------
 
 
+@pytest.mark.newest_only
 def test_find_scaler_state_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="holds no LossScaleState. Wrap the optimizer in jaxamp.loss_scaling"):
         find_scaler_state(optax.adam(0.1).init(_params()))
@@ -280,6 +288,7 @@ def test_find_scaler_state_errors_name_what_is_wrong():
 N = 4
 
 
+@pytest.mark.newest_only
 def test_under_pmap_a_nan_on_one_replica_skips_the_step_on_every_replica():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1), axis_name="batch")
     params = _params()

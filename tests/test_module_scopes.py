@@ -56,6 +56,7 @@ def _matmul_scopes(report):
     return [row.scope for row in report.rows if row.primitive == "dot_general"]
 
 
+@pytest.mark.newest_only
 def test_nnx_module_paths_become_scopes():
     report = jaxamp.explain(_loss, compute_dtype="bf16")(Model(nnx.Rngs(0)), X)
     assert _matmul_scopes(report) == [f"Model/blocks.{i}/{layer}" for i in range(3) for layer in ("attn", "mlp")] + [
@@ -75,6 +76,7 @@ def test_folded_table_groups_nnx_layer_instances():
     assert not any("blocks.0" in line for line in folded)
 
 
+@pytest.mark.newest_only
 def test_policy_keyed_by_an_nnx_path_scope():
     table = {**jaxamp.default_amp_policy, "head": jaxamp.use_original_precision}
     report = jaxamp.explain(_loss, compute_dtype="bf16", amp_policy=table)(Model(nnx.Rngs(0)), X)
@@ -130,6 +132,7 @@ def test_calls_outside_amp_get_no_scope_while_another_thread_traces():
     assert _matmul_scopes(seen["report"])[0] == "Model/blocks.0/attn"
 
 
+@pytest.mark.newest_only
 def test_linen_module_names_are_scopes_and_fold():
     class LinenBlock(nn.Module):
         @nn.compact

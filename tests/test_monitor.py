@@ -96,6 +96,7 @@ def test_forward_and_backward_statistics_equal_a_direct_computation_under_jit():
     assert {s.direction for s in stats.sites} == {"forward", "backward"}
 
 
+@pytest.mark.newest_only
 def test_monitored_outputs_equal_the_unmonitored_and_the_lowered_program_is_untouched():
     params, x = params_and_batch()
     plain = jax.jit(jax.value_and_grad(jaxamp.amp(two_layers, compute_dtype="bf16")))

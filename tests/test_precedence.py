@@ -113,6 +113,7 @@ def assert_user_rules_decide(fn, args):
 
 
 @pytest.mark.parametrize("op", CATALOGUE, ids=lambda op: op.name)
+@pytest.mark.newest_only
 def test_a_user_entry_decides_every_equation_of_a_catalogue_operation(op):
     fn, args = catalogue_loss(op)
     assert_user_rules_decide(fn, args)
@@ -152,6 +153,7 @@ def test_a_user_rule_that_raises_raises_on_every_call(data):
 # --- the cases ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.newest_only
 def test_a_user_rule_in_the_tail_is_called_and_explain_says_so():
     calls = collections.Counter()
     table = default_amp_policy | {lax.tanh_p: counting(calls, "tanh", jaxamp.use_current_precision)}
@@ -187,6 +189,7 @@ def test_a_user_entry_wins_over_the_statistics_region():
     assert all(rows[k].decided_by == "user" and rows[k].dtypes_after[0] == "bf16" for k in stats), rows
 
 
+@pytest.mark.newest_only
 def test_scopes_and_amp_stop_come_before_a_user_entry():
     calls = collections.Counter()
     table = default_amp_policy | {
@@ -207,6 +210,7 @@ def test_scopes_and_amp_stop_come_before_a_user_entry():
     assert tanhs == ["amp_stop", "scope:head", "user"]
 
 
+@pytest.mark.newest_only
 def test_an_entry_equal_to_the_default_is_not_the_users():
     # Writing the default rule again leaves amp's inferences in charge.
     table = default_amp_policy | {lax.tanh_p: default_amp_policy[lax.tanh_p]}
@@ -229,6 +233,7 @@ def test_amp_modes_entries_are_not_the_users(compute_dtype):
     assert dot.decided_by == "primitive"
 
 
+@pytest.mark.newest_only
 def test_optax_loss_under_a_user_log_entry():
     # A user's pin inside the loss decides; the rest of the loss is still tail.
     labels = jnp.arange(4)

@@ -876,6 +876,7 @@ def test_structural_gather_sort_window(c, dtype, route):
 
 
 @sweep(MATMULS, f32_route_dtypes=(F16, BF16))
+@pytest.mark.newest_only
 def test_matmul_and_conv_values(c, dtype, route):
     check(c, dtype, route)
 
@@ -886,17 +887,20 @@ def test_random_linalg_fft(c, dtype, route):
 
 
 @sweep(CUSTOM + NN)
+@pytest.mark.newest_only
 def test_custom_computations_and_nn(c, dtype, route):
     check(c, dtype, route)
 
 
 @sweep(GRADIENTS, f32_route_dtypes=(F16, BF16))
+@pytest.mark.newest_only
 def test_gradients_as_functions(c, dtype, route):
     check(c, dtype, route)
 
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize("c", MATMULS, ids=lambda c: c.name)
+@pytest.mark.newest_only
 def test_matmul_and_conv_operands_are_in_compute_dtype(c, dtype):
     """amp's jaxpr runs each dot_general/conv (nested in scans too) on compute-dtype operands."""
     assert_all_matmuls_in(jax.make_jaxpr(jaxamp.amp(c.fn, compute_dtype=dtype))(*c.args), dtype)
@@ -920,6 +924,7 @@ def bound_primitives(fn, *args):
 
 
 @pytest.mark.parametrize("op", CATALOGUE, ids=lambda op: op.name)
+@pytest.mark.newest_only
 def test_catalogue_operation_is_classified(op):
     """Every primitive the operation binds, at any dtype it accepts, has a table entry or a handler."""
     bound = set().union(*(bound_primitives(op.fn, *catalogue_operands(op, d)) for d in op.dtypes))
@@ -947,6 +952,7 @@ def catalogue_runs(dtype):
         if dtype in FLOATS
     ],
 )
+@pytest.mark.newest_only
 def test_catalogue_operation_under_amp(op, dtype):
     """Runs, keeps the plain function's dtypes and shapes, and gets only dtypes JAX lists for it.
 
@@ -1075,6 +1081,7 @@ COMPLEX_PROGRAMS = [
 
 
 @pytest.mark.parametrize("fn", COMPLEX_PROGRAMS)
+@pytest.mark.newest_only
 def test_complex_programs_pass_through(fn):
     assert_untouched(fn, _C)
 
@@ -1099,12 +1106,14 @@ FLOAT64_PROGRAMS = [
 
 
 @pytest.mark.parametrize("fn", FLOAT64_PROGRAMS)
+@pytest.mark.newest_only
 def test_float64_programs_pass_through(fn):
     # x64 only inside the test: the rest of the suite keeps JAX's float32 default.
     with jax.enable_x64(True):
         assert_untouched(fn, uniform(-1, 1).astype(np.float64), uniform(-1, 1, (4, 4)).astype(np.float64))
 
 
+@pytest.mark.newest_only
 def test_float64_beside_float32_is_untouched():
     """In one program, the float32 matmul runs in half and the float64 one does not."""
 
@@ -1123,6 +1132,7 @@ def test_float64_beside_float32_is_untouched():
         assert np.asarray(full).tobytes() == np.asarray(f(x32, x64)[1]).tobytes()
 
 
+@pytest.mark.newest_only
 def test_mixed_program_leaves_non_float32_outputs_identical():
     """Ints, bools and complex numbers beside a half-precision matmul keep their bits."""
 
@@ -1142,6 +1152,7 @@ def test_mixed_program_leaves_non_float32_outputs_identical():
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("target", [jnp.int32, jnp.uint32, jnp.uint8, jnp.int16])
+@pytest.mark.newest_only
 def test_bitcast_sees_the_original_dtype(target, route, dtype):
     """A bitcast of a float32 value reinterprets float32 bits, even after a half matmul.
 
@@ -1158,6 +1169,7 @@ def test_bitcast_sees_the_original_dtype(target, route, dtype):
 
 @pytest.mark.parametrize("dtype", COMPUTE_DTYPES)
 @pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.newest_only
 def test_pure_callback_runs_at_original_precision(route, dtype):
     """A host callback gets the float32 operands it was declared with, whatever amp held them in."""
     seen = []

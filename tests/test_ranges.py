@@ -102,6 +102,7 @@ def test_unbounded_exponentials_stay_in_float32(name):
     assert all(r.dtypes_after == ("f32",) for r in rows), rows
 
 
+@pytest.mark.newest_only
 def test_fully_masked_rows_stay_finite():
     # Row 0 is masked entirely (finfo.min, as the benchmark GPT masks), row 1
     # partially with -inf; under float16 the scores saturate to -65504.
@@ -123,6 +124,7 @@ def test_fully_masked_rows_stay_finite():
     assert all(jnp.all(jnp.isfinite(g)) for g in grads)
 
 
+@pytest.mark.newest_only
 def test_the_range_entry_can_be_switched_off_and_respects_the_users_primitive_entry():
     softmax = BOUNDED["jax.nn.softmax"]
     off = _exp_rows(softmax, amp_policy=NO_TAIL | {"amp_range": use_full_range_precision})

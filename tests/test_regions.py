@@ -34,6 +34,7 @@ def _group_norm_block(w, x):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.newest_only
 def test_norm_output_leaves_in_compute_dtype(dtype):
     amp = jaxamp.amp(_group_norm_block, compute_dtype=dtype, amp_policy=NO_TAIL)
     jaxpr = jax.make_jaxpr(amp)(W, X)
@@ -66,6 +67,7 @@ def _stats_layer(w, x):
     return jnp.tanh(out), mean
 
 
+@pytest.mark.newest_only
 def test_only_results_of_the_activations_shape_are_rounded():
     table = NO_TAIL | {"my_norm": use_normalisation_precision}
     jaxpr = jax.make_jaxpr(jaxamp.amp(_stats_layer, compute_dtype="bf16", amp_policy=table))(W, X)
@@ -76,6 +78,7 @@ def test_only_results_of_the_activations_shape_are_rounded():
     np.testing.assert_allclose(mean, jnp.mean(X @ W, axis=0), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.newest_only
 def test_a_plain_original_precision_scope_hands_on_float32():
     table = default_amp_policy | {"my_norm": use_original_precision}
     jaxpr = jax.make_jaxpr(jaxamp.amp(_stats_layer, compute_dtype="bf16", amp_policy=table))(W, X)
@@ -88,6 +91,7 @@ def test_explain_and_default_table():
     assert any(r.decided_by == "scope:eqx.nn.GroupNorm" for r in report.rows)
 
 
+@pytest.mark.newest_only
 def test_inside_a_model_the_norm_hands_on_in_compute_dtype_with_the_default_table():
     def two_layers(w, x):
         return jnp.sum(_group_norm_block(w, x) @ w.T)

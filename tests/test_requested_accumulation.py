@@ -51,6 +51,7 @@ def test_an_explicit_float32_result_of_bf16_operands_is_kept(compute_dtype):
         assert "asks for a f32 result" in row.detail
 
 
+@pytest.mark.newest_only
 def test_a_float32_result_of_float32_operands_is_moved():
     a, b = jax.random.normal(KEYS[0], (4, 8)), jax.random.normal(KEYS[1], (4, 8))
     jaxpr = jax.make_jaxpr(jaxamp.amp(_einsum, compute_dtype="bf16"))(a, b)
@@ -58,6 +59,7 @@ def test_a_float32_result_of_float32_operands_is_moved():
     assert [(tuple(v.aval.dtype for v in e.invars), e.outvars[0].aval.dtype) for e in dots] == [((BF16, BF16), BF16)]
 
 
+@pytest.mark.newest_only
 def test_a_convolution_keeps_its_requested_result():
     x = jax.random.normal(KEYS[0], (2, 3, 16)).astype(BF16)
     k = jax.random.normal(KEYS[1], (4, 3, 3)).astype(BF16)
@@ -70,6 +72,7 @@ def test_a_convolution_keeps_its_requested_result():
     assert eqn.outvars[0].aval.dtype == F32
 
 
+@pytest.mark.newest_only
 def test_a_narrower_request_is_not_kept():
     # float32 operands asked for a bfloat16 result: not a wider accumulation.
     a, b = jax.random.normal(KEYS[0], (4, 8)), jax.random.normal(KEYS[1], (4, 8))
@@ -83,6 +86,7 @@ def _qkv(dtype):
     return [jax.random.normal(k, (2, 8, 2, 16)).astype(dtype) for k in KEYS[:3]]
 
 
+@pytest.mark.newest_only
 def test_dot_product_attention_on_bf16_runs_its_softmax_in_float32():
     q, k, v = _qkv(BF16)
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)  # noqa: E731
@@ -94,6 +98,7 @@ def test_dot_product_attention_on_bf16_runs_its_softmax_in_float32():
 
 
 @pytest.mark.parametrize("compute_dtype", ["f16", "bf16"])
+@pytest.mark.newest_only
 def test_dot_product_attention_softmax_is_proven_bounded(compute_dtype):
     # Its scores are transposed between their row maximum and the subtraction:
     # the range facts follow the transpose, as for a hand-written softmax.
@@ -113,6 +118,7 @@ def test_dot_product_attention_softmax_is_proven_bounded(compute_dtype):
         np.testing.assert_allclose(jaxamp.amp(fn, compute_dtype=compute_dtype)(q, k, v), fn(q, k, v), atol=3e-2)
 
 
+@pytest.mark.newest_only
 def test_a_transpose_of_another_value_proves_nothing():
     # exp(transpose(x) - max(y)): the maximum is of another value.
     def fn(x, y):
@@ -135,6 +141,7 @@ def test_a_transposed_row_maximum_against_untransposed_scores_proves_nothing():
     assert exp.decided_by == "primitive"
 
 
+@pytest.mark.newest_only
 def test_the_cookbook_step_keeps_its_loss_bit_for_bit():
     # JAX's training cookbook keeps bf16 parameters and asks each matmul for
     # float32 results; amp bf16 then runs that program exactly as written.
@@ -150,6 +157,7 @@ def test_the_cookbook_step_keeps_its_loss_bit_for_bit():
     assert float(jaxamp.amp(loss, compute_dtype="bf16")(w1, w2, x)) == float(loss(w1, w2, x))
 
 
+@pytest.mark.newest_only
 def test_flax_nnx_multi_head_attention_softmax_is_proven_bounded_under_f16():
     # flax NNX's MultiHeadAttention calls jax.nn.dot_product_attention's XLA path.
     from flax import nnx

@@ -71,6 +71,7 @@ def _shard_map(body, in_specs, out_specs, check_vma=True, mesh=None):
 
 @pytest.mark.parametrize("redo_on_nan", [0, 10])
 @pytest.mark.parametrize("entry_point", ["value_and_grad", "grad"])
+@pytest.mark.newest_only
 def test_dynamic_scaler_in_shard_map_decides_once_for_all_devices(entry_point, redo_on_nan):
     make = {
         "value_and_grad": jaxamp.dynamic_scale_value_and_grad,
@@ -97,6 +98,7 @@ def test_dynamic_scaler_in_shard_map_decides_once_for_all_devices(entry_point, r
     assert not bool(jaxamp.all_finite(grads))
 
 
+@pytest.mark.newest_only
 def test_redo_in_shard_map_runs_the_same_attempts_on_every_device():
     # One device's rows overflow float16 in the backward pass at scales above
     # 2**8: the redo loop, with a collective after the loss, must run as many
@@ -211,6 +213,7 @@ def test_shard_map_without_vma_and_without_axis_name_asks_for_it(api):
 
 
 @pytest.mark.parametrize("api", API_NAMES)
+@pytest.mark.newest_only
 def test_pmap_decides_over_its_axis_name(api):
     decide = _apis("batch")[api]
     fn = jax.pmap(decide, axis_name="batch")
@@ -219,12 +222,14 @@ def test_pmap_decides_over_its_axis_name(api):
 
 
 @pytest.mark.parametrize("api", API_NAMES)
+@pytest.mark.newest_only
 def test_pmap_without_axis_name_raises_before_running(api):
     decide = _apis(None)[api]
     with pytest.raises(ValueError, match=r"jax.pmap.*Pass axis_name='batch'"):
         jax.pmap(decide, axis_name="batch")(_batch().reshape(N, 4, D))
 
 
+@pytest.mark.newest_only
 def test_axis_name_empty_tuple_decides_per_device_on_purpose():
     fn = jax.pmap(lambda x: jaxamp.all_finite(x, axis_name=()), axis_name="batch")
     assert fn(_batch(bad_device=1).reshape(N, 4, D)).tolist() == [True, False, True, True]
@@ -248,6 +253,7 @@ def test_unbound_axis_name_is_a_value_error_naming_it():
 
 @pytest.mark.parametrize("trouble", ["overflow", "nan"])
 @pytest.mark.parametrize("redo_on_nan", [0, 10])
+@pytest.mark.newest_only
 def test_pmap_with_a_collective_in_the_loss_returns_with_one_scale(trouble, redo_on_nan):
     # The loss pmeans over the replicas (as Hugging Face's Flax scripts and
     # cross-replica BatchNorm do). A redo loop that ran more often on one
@@ -275,6 +281,7 @@ def test_pmap_with_a_collective_in_the_loss_returns_with_one_scale(trouble, redo
 
 
 @pytest.mark.parametrize("mode", ["pmap", "shard_map"])
+@pytest.mark.newest_only
 def test_a_psummed_normaliser_in_the_loss_with_redo(mode):
     # The loss divides by a token count summed over the devices, as LM
     # scripts with padding do; one device overflows; redo must neither hang

@@ -91,6 +91,7 @@ def test_fsdp_step_with_amp_and_loss_scaling_matches_one_device():
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["Mesh", "make_mesh-explicit"])
+@pytest.mark.newest_only
 def test_jit_shardings_survive_amp(explicit):
     mesh = jax.make_mesh((8,), ("d",)) if explicit else create_mesh((8,), ("d",))
     sharding = NamedSharding(mesh, P("d", None))

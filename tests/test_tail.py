@@ -76,6 +76,7 @@ def test_attention_softmax_feeding_a_matmul_keeps_the_compute_dtype():
     assert by_rule["tail"] == ("f32",)  # the loss's logsumexp
 
 
+@pytest.mark.newest_only
 def test_the_tail_can_be_switched_off():
     table = {k: v for k, v in jaxamp.default_amp_policy.items() if k != "amp_tail"}
 
@@ -90,6 +91,7 @@ def test_the_tail_can_be_switched_off():
     assert tanhs[0].invars[0].aval.dtype == jnp.float32
 
 
+@pytest.mark.newest_only
 def test_a_program_without_matmuls_has_no_tail():
     def fn(x):
         return jnp.exp(x.astype(jnp.bfloat16)) * 2.0
@@ -99,6 +101,7 @@ def test_a_program_without_matmuls_has_no_tail():
     assert exps[0].invars[0].aval.dtype == jnp.bfloat16  # as the program has it
 
 
+@pytest.mark.newest_only
 def test_a_users_scope_wins_over_the_tail():
     def fn(h, w):
         with jax.named_scope("head"):
@@ -110,6 +113,7 @@ def test_a_users_scope_wins_over_the_tail():
     assert tanhs[0].invars[0].aval.dtype == jnp.bfloat16
 
 
+@pytest.mark.newest_only
 def test_a_function_returning_activations_has_no_tail():
     # A model's forward (its log-probabilities) is no loss: the table decides
     # each op, as jaxamp 0.0.4 did; the same ops reduced to a scalar are tail.
@@ -125,6 +129,7 @@ def test_a_function_returning_activations_has_no_tail():
     assert add.decided_by == "tail" and add.dtypes_after == ("f32", "f32")
 
 
+@pytest.mark.newest_only
 def test_aux_outputs_are_not_the_loss():
     # (loss, logits): the logits are returned as the program computes them in
     # half precision; only what reduces to the loss alone is tail.
