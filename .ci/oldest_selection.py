@@ -7,9 +7,11 @@ script reads a branch-coverage run of the leg, one coverage context per test,
 and picks test functions (all their parametrizations together) greedily, most
 new branches per second first, until every branch the leg reaches is reached;
 it keeps as well every test that runs jaxamp in subprocesses or reaches none of
-it (coverage cannot see those), and one test function of every module. It prints
-the others: mark them ``@pytest.mark.newest_only`` (they still run on the
-newest JAX, as every test does).
+it (coverage cannot see those), every test parametrized over JAX's own catalogue
+of operations (``catalogue`` in its name: the cases themselves differ between
+versions), and one test function of every module. It prints the others: mark
+them ``@pytest.mark.newest_only`` (they still run on the newest JAX, as every
+test does).
 
 Run on the oldest JAX (pytest-cov is not among the project's dependencies)::
 
@@ -49,9 +51,9 @@ def seconds_by_function(junit_xml: str) -> dict[str, float]:
 
 
 def skippable(reached: dict[str, set], seconds: dict[str, float]) -> list[str]:
-    keep = {f for f in seconds if not reached.get(f)}  # subprocesses, or no jaxamp code
-    remaining = set().union(*reached.values())
-    candidates = dict(reached)
+    keep = {f for f in seconds if not reached.get(f) or "catalogue" in f}
+    remaining = set().union(*reached.values()) - set().union(*(reached.get(f, set()) for f in keep))
+    candidates = {f: branches for f, branches in reached.items() if f not in keep}
     while remaining:
         best = max(candidates, key=lambda f: len(candidates[f] & remaining) / max(seconds.get(f, 1.0), 0.05))
         keep.add(best)

@@ -449,6 +449,7 @@ def test_scope_pins_and_amp_stop_keep_their_precision():
     assert [r.detail for r in report.kept_out_of_fp8] == ["kept bf16,bf16: decided by scope:head"]
 
 
+@pytest.mark.newest_only
 def test_everything_but_matmuls_follows_bf16_mode():
     def f(p, x):
         return jnp.sum(jnp.exp(jnp.tanh(x @ p["w"])) @ p["head"])

@@ -924,7 +924,6 @@ def bound_primitives(fn, *args):
 
 
 @pytest.mark.parametrize("op", CATALOGUE, ids=lambda op: op.name)
-@pytest.mark.newest_only
 def test_catalogue_operation_is_classified(op):
     """Every primitive the operation binds, at any dtype it accepts, has a table entry or a handler."""
     bound = set().union(*(bound_primitives(op.fn, *catalogue_operands(op, d)) for d in op.dtypes))
@@ -952,7 +951,6 @@ def catalogue_runs(dtype):
         if dtype in FLOATS
     ],
 )
-@pytest.mark.newest_only
 def test_catalogue_operation_under_amp(op, dtype):
     """Runs, keeps the plain function's dtypes and shapes, and gets only dtypes JAX lists for it.
 
