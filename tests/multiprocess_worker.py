@@ -156,7 +156,7 @@ def main():
     delayed = ARGS.dtype == "fp8-delayed"
     compute_dtype = ARGS.dtype
     if ARGS.dtype.startswith("fp8"):  # both matmuls in float8; delayed: scaled from amax histories
-        compute_dtype = jaxamp.Fp8Recipe(
+        compute_dtype = jaxamp.fp8.Fp8Recipe(
             scaling="delayed" if delayed else "tensorwise",
             amax_history_length=4,
             keep_last_matmul_bf16=False,
@@ -177,7 +177,7 @@ def main():
         params = jax.device_put(to_storage(init_params()), replicated)
         fp8_state = None
         if ARGS.mode == "jit" and delayed:
-            optimizer = jaxamp.skip_nonfinite_updates(make_optimizer())
+            optimizer = jaxamp.scaling.skip_nonfinite_updates(make_optimizer())
             # The state's gradient (the observed amaxes) passes the loss
             # scaler unscaled, and every process rolls in the same amaxes.
             grad_fn = jaxamp.dynamic_scale_value_and_grad(
@@ -186,13 +186,13 @@ def main():
                 redo_on_nan=ARGS.redo_on_nan,
                 argnums=(0, 1),
             )
-            fp8_state = jax.device_put(jaxamp.init_fp8_state(amp_loss, params, *put_batch(0)), replicated)
+            fp8_state = jax.device_put(jaxamp.fp8.init_fp8_state(amp_loss, params, *put_batch(0)), replicated)
 
             @jax.jit
             def step(params, opt_state, scaler, fp8_state, x, y):
                 scaler, (loss, (grads, observed)) = grad_fn(params, fp8_state, x, y, dynamic_scaler_state=scaler)
                 updates, opt_state = optimizer.update(grads, opt_state, params)
-                params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+                params = jaxamp.scaling.apply_if_finite_updates(params, updates, opt_state.last_finite)
                 return params, opt_state, scaler, fp8_state.update(observed), loss, opt_state.last_finite
 
             opt_state = optimizer.init(params)
@@ -217,7 +217,7 @@ def main():
                 def step(params, opt_state, scaler, x, y):
                     loss, grads = grads_of(params, opt_state, x, y)
                     updates, opt_state = optimizer.update(grads, opt_state, params)
-                    params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+                    params = jaxamp.scaling.apply_if_finite_updates(params, updates, opt_state.last_finite)
                     return params, opt_state, opt_state.scaler_state, loss, opt_state.last_finite
 
                 opt_state = optimizer.init(params)
@@ -231,7 +231,7 @@ def main():
                         grads,
                     )
                     updates, opt_state = optimizer.update(grads, opt_state, shards)
-                    shards = jaxamp.apply_if_finite_updates(shards, updates, opt_state.last_finite)
+                    shards = jaxamp.scaling.apply_if_finite_updates(shards, updates, opt_state.last_finite)
                     return shards, opt_state, opt_state.scaler_state, jax.lax.pmean(loss, "dp"), opt_state.last_finite
 
                 def specs(tree):
@@ -253,19 +253,19 @@ def main():
                     jax.shard_map(optimizer.init, mesh=mesh, in_specs=(param_spec,), out_specs=state_spec)
                 )(params)
         elif ARGS.mode == "jit":
-            optimizer = jaxamp.skip_nonfinite_updates(make_optimizer())
+            optimizer = jaxamp.scaling.skip_nonfinite_updates(make_optimizer())
             grad_fn = jaxamp.dynamic_scale_value_and_grad(amp_loss, filter=False, redo_on_nan=ARGS.redo_on_nan)
 
             @jax.jit
             def step(params, opt_state, scaler, x, y):
                 scaler, (loss, grads) = grad_fn(params, x, y, dynamic_scaler_state=scaler)
                 updates, opt_state = optimizer.update(grads, opt_state, params)
-                params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+                params = jaxamp.scaling.apply_if_finite_updates(params, updates, opt_state.last_finite)
                 return params, opt_state, scaler, loss, opt_state.last_finite
 
             opt_state = optimizer.init(params)
         else:
-            optimizer = jaxamp.skip_nonfinite_updates(make_optimizer(), axis_name="dp")
+            optimizer = jaxamp.scaling.skip_nonfinite_updates(make_optimizer(), axis_name="dp")
             # The delayed recipe's state enters every device replicated; each
             # device's observed amaxes are the global ones (amp takes their
             # maximum over "dp"), so every device rolls in the same.
@@ -277,7 +277,7 @@ def main():
                 argnums=(0, 1) if delayed else 0,
             )
             if delayed:
-                fp8_state = jax.device_put(jaxamp.init_fp8_state(amp_loss, params, *put_batch(0)), replicated)
+                fp8_state = jax.device_put(jaxamp.fp8.init_fp8_state(amp_loss, params, *put_batch(0)), replicated)
 
             # FSDP / ZeRO-3: parameters and optimizer state live sharded along
             # their first axis; each step gathers the parameters, and
@@ -295,7 +295,7 @@ def main():
                     grads,
                 )
                 updates, opt_state = optimizer.update(grads, opt_state, shards)
-                shards = jaxamp.apply_if_finite_updates(shards, updates, opt_state.last_finite)
+                shards = jaxamp.scaling.apply_if_finite_updates(shards, updates, opt_state.last_finite)
                 return shards, opt_state, scaler, *fp8_state, jax.lax.pmean(loss, "dp"), opt_state.last_finite
 
             def specs(tree):

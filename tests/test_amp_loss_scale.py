@@ -383,9 +383,11 @@ def test_in_shard_map_with_check_vma_no_axis_name_is_needed():
 
 def test_with_fp8_delayed_the_observed_amaxes_are_those_of_the_explicit_path():
     params, (x, y) = _params(), _batch()
-    recipe = jaxamp.Fp8Recipe(scaling="delayed", amax_history_length=4, min_contraction=1, keep_last_matmul_bf16=False)
+    recipe = jaxamp.fp8.Fp8Recipe(
+        scaling="delayed", amax_history_length=4, min_contraction=1, keep_last_matmul_bf16=False
+    )
     plain = jaxamp.amp(_loss, compute_dtype=recipe)
-    state = jaxamp.init_fp8_state(plain, params, x, y)
+    state = jaxamp.fp8.init_fp8_state(plain, params, x, y)
     scaled = jaxamp.amp(_loss, compute_dtype=recipe, loss_scale=2.0**6)
     got = jax.jit(jax.grad(lambda p, s: scaled(p, x, y, fp8_state=s), argnums=(0, 1)))(params, state)
     explicit = jaxamp.dynamic_scale_grad(lambda p, s: plain(p, x, y, fp8_state=s), filter=False, argnums=(0, 1))

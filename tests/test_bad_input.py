@@ -102,7 +102,7 @@ def test_bad_compute_dtype_names_argument_and_value(where, dtype, error, name):
 )
 def test_parse_dtype_rejects(value, error, match):
     with pytest.raises(error, match=match):
-        jaxamp.parse_dtype(value)
+        jaxamp.policies.parse_dtype(value)
 
 
 # --- policy tables ----------------------------------------------------------------------

@@ -331,7 +331,7 @@ def test_kwargs_are_forwarded_to_the_grad_transform():
 
 @pytest.mark.newest_only
 def test_dynamic_scale_tx_with_a_custom_transform():
-    tx = jaxamp.dynamic_scale_tx(jax.grad)
+    tx = jaxamp.scaling.dynamic_scale_tx(jax.grad)
     state, grad = tx(lambda x: x**2)(jnp.float32(3.0), dynamic_scaler_state=DynamicScalerState())
     assert float(grad) == 6.0 and int(state.count) == 1
 
@@ -473,7 +473,7 @@ def test_the_loss_is_traced_once_per_call(entry_point, redo_on_nan):
 def test_redo_on_nan_defaults_to_zero_everywhere():
     import inspect
 
-    for entry_point in (dynamic_scale_value_and_grad, dynamic_scale_grad, jaxamp.dynamic_scale_tx):
+    for entry_point in (dynamic_scale_value_and_grad, dynamic_scale_grad, jaxamp.scaling.dynamic_scale_tx):
         assert inspect.signature(entry_point).parameters["redo_on_nan"].default == 0
 
 

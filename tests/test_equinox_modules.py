@@ -64,9 +64,9 @@ def test_select_tree_refuses_different_non_array_leaves():
 @pytest.mark.parametrize(
     "wrap",
     [
-        lambda opt: jaxamp.skip_nonfinite_updates(opt),
+        lambda opt: jaxamp.scaling.skip_nonfinite_updates(opt),
         lambda opt: jaxamp.optim.cast_state(opt),
-        lambda opt: jaxamp.skip_nonfinite_updates(jaxamp.optim.cast_state(opt)),
+        lambda opt: jaxamp.scaling.skip_nonfinite_updates(jaxamp.optim.cast_state(opt)),
     ],
     ids=["skip_nonfinite_updates", "cast_state", "both"],
 )
@@ -75,23 +75,23 @@ def test_optimizer_wrappers_take_the_module_as_params(wrap):
     optimizer = wrap(optax.adam(1e-2))
     state = optimizer.init(model)  # no eqx.filter needed
     updates, state = optimizer.update(_grads(model), state, model)
-    new = jaxamp.apply_if_finite_updates(model, updates, jaxamp.all_finite(updates))
+    new = jaxamp.scaling.apply_if_finite_updates(model, updates, jaxamp.all_finite(updates))
     assert _non_arrays(new) == _non_arrays(model)
     assert _arrays_bits(new) != _arrays_bits(model)
 
 
 def test_a_nonfinite_step_keeps_the_module_bit_for_bit():
     model = _model()
-    optimizer = jaxamp.skip_nonfinite_updates(optax.adam(1e-2))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.adam(1e-2))
     state = optimizer.init(model)
     updates, state = optimizer.update(_grads(model, nan=True), state, model)
     assert not bool(state.last_finite)
-    new = jaxamp.apply_if_finite_updates(model, updates, state.last_finite)
+    new = jaxamp.scaling.apply_if_finite_updates(model, updates, state.last_finite)
     assert _arrays_bits(new) == _arrays_bits(model) and _non_arrays(new) == _non_arrays(model)
 
 
 def test_low_precision_params_take_a_bfloat16_module():
-    model = jaxamp.cast_floating(_model(), jnp.bfloat16)
+    model = jaxamp.policies.cast_floating(_model(), jnp.bfloat16)
     assert _non_arrays(model) == _non_arrays(_model())  # cast_floating leaves them too
     optimizer = jaxamp.optim.low_precision_params(optax.adam(1e-2), key=jax.random.key(0))
     state = optimizer.init(model)
@@ -104,14 +104,14 @@ def test_low_precision_params_take_a_bfloat16_module():
 
 def test_dynamic_scaler_and_grad_scaler_train_a_module_under_filter_jit():
     model = _model()
-    optimizer = jaxamp.skip_nonfinite_updates(optax.adam(1e-2))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.adam(1e-2))
     grad_fn = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16"))
 
     @eqx.filter_jit
     def step(model, opt_state, scaler, x):
         scaler, (loss, grads) = grad_fn(model, x, dynamic_scaler_state=scaler)
         updates, opt_state = optimizer.update(grads, opt_state, model)
-        return jaxamp.apply_if_finite_updates(model, updates, opt_state.last_finite), opt_state, scaler
+        return jaxamp.scaling.apply_if_finite_updates(model, updates, opt_state.last_finite), opt_state, scaler
 
     opt_state, scaler = optimizer.init(model), jaxamp.DynamicScalerState()
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 4))

@@ -42,7 +42,7 @@ def _loss(params, x, y, poison):
 
 
 def _manual_f16_loss(params, x, y, poison):
-    params, x = jaxamp.cast_floating((params, x), jnp.float16)
+    params, x = jaxamp.policies.cast_floating((params, x), jnp.float16)
     return _loss(params, x, y.astype(jnp.float16), poison)
 
 
@@ -75,14 +75,14 @@ def _clean_loss(params, x, y):
 @pytest.mark.parametrize("cast", sorted(LOSSES))
 def test_dynamic_scaler_skips_exactly_the_poisoned_steps(cast):
     params, x, y, poison = _problem()
-    optimizer = jaxamp.skip_nonfinite_updates(optax.adam(3e-2))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.adam(3e-2))
     grad_fn = jaxamp.dynamic_scale_value_and_grad(LOSSES[cast], filter=False, redo_on_nan=3)
 
     @jax.jit
     def train_step(params, opt_state, scaler_state, poison):
         scaler_state, (_, grads) = grad_fn(params, x, y, poison, dynamic_scaler_state=scaler_state)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+        params = jaxamp.scaling.apply_if_finite_updates(params, updates, opt_state.last_finite)
         return params, opt_state, scaler_state
 
     opt_state = optimizer.init(params)
@@ -148,14 +148,14 @@ AMP_LOSS = jaxamp.amp(_data_loss, compute_dtype=jnp.float16)
 
 
 def _jaxamp_trainer(loss_fn, scaler_state):
-    optimizer = jaxamp.skip_nonfinite_updates(optax.adam(1e-2))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.adam(1e-2))
     grad_fn = jaxamp.dynamic_scale_value_and_grad(loss_fn, filter=False, redo_on_nan=10)
 
     @jax.jit
     def train_step(params, opt_state, scaler_state, x, y):
         scaler_state, (loss, grads) = grad_fn(params, x, y, dynamic_scaler_state=scaler_state)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite)
+        params = jaxamp.scaling.apply_if_finite_updates(params, updates, opt_state.last_finite)
         return params, opt_state, scaler_state, loss
 
     return optimizer, train_step, lambda state: float(state.scaler)
@@ -191,7 +191,7 @@ def _jmp_trainer(loss_fn, loss_scale):
         grads = loss_scale.unscale(grads)
         finite = jaxamp.all_finite(grads)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        params = jaxamp.apply_if_finite_updates(params, updates, finite)
+        params = jaxamp.scaling.apply_if_finite_updates(params, updates, finite)
         opt_state = jaxamp.select_tree(finite, new_opt_state, opt_state)
         return params, opt_state, loss_scale.adjust(finite), loss
 

@@ -1,4 +1,4 @@
-"""amp's fp8 mode (`compute_dtype=EVERY`, `jaxamp.Fp8Recipe`): float8 matmuls with current scaling.
+"""amp's fp8 mode (`compute_dtype=EVERY`, `jaxamp.fp8.Fp8Recipe`): float8 matmuls with current scaling.
 
 A small zoo (an MLP, a convolutional net, a transformer whose blocks run in a
 scan) has every matmul in float8 forward and backward, losses within 10% and
@@ -161,7 +161,7 @@ def test_every_matmul_in_float8_forward_and_backward(make):
     # matmuls, but for the gradient of the data, which nothing asks for.
     assert len(backward) >= 3 * len(forward) - 1
     # Dot gradients take the cotangent in e5m2; convolution gradients need one
-    # dtype on both sides and run in e4m3 (see jaxamp.Fp8Recipe.gradient_dtype).
+    # dtype on both sides and run in e4m3 (see jaxamp.fp8.Fp8Recipe.gradient_dtype).
     for name, dts in backward:
         if E5M2 in dts:
             assert name != "conv_general_dilated" and sorted(dts) == sorted((E5M2, E4M3)), (name, dts)

@@ -1,6 +1,6 @@
 """fp8's delayed recipe (Transformer Engine's ``DelayedScaling``): scales from amax histories.
 
-The state is made by `jaxamp.init_fp8_state`, passed as ``fp8_state=``, and
+The state is made by `jaxamp.fp8.init_fp8_state`, passed as ``fp8_state=``, and
 updated from its gradient. Checked: the first step (empty histories) equals
 current scaling bit for bit; the gradient holds the step's amaxes; later steps
 scale by the history (values above a stale amax saturate, `margin` makes
@@ -33,7 +33,7 @@ LENGTH = 4
 
 
 def _recipe(**kw):
-    return jaxamp.Fp8Recipe(scaling="delayed", amax_history_length=LENGTH, keep_last_matmul_bf16=False, **kw)
+    return jaxamp.fp8.Fp8Recipe(scaling="delayed", amax_history_length=LENGTH, keep_last_matmul_bf16=False, **kw)
 
 
 def _mlp(params, x, c):
@@ -67,23 +67,23 @@ def _bf16(x):
 @pytest.mark.newest_only
 def test_init_finds_every_float8_matmul_with_its_scopes():
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, *_problem())
+    state = jaxamp.fp8.init_fp8_state(loss, *_problem())
     assert {n: h.shape for n, h in state.histories.items()} == {
         "dot_general": (3, LENGTH), "head/dot_general": (3, LENGTH),
     }  # fmt: skip
     assert all(not np.asarray(h).any() for h in state.histories.values())
     # The last matmul stays bf16 by default: one site.
-    default = jaxamp.amp(_mlp, compute_dtype=jaxamp.Fp8Recipe(scaling="delayed"))
-    assert list(jaxamp.init_fp8_state(default, *_problem()).histories) == ["dot_general"]
+    default = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(scaling="delayed"))
+    assert list(jaxamp.fp8.init_fp8_state(default, *_problem()).histories) == ["dot_general"]
 
 
 @pytest.mark.newest_only
 def test_first_step_equals_current_scaling_and_its_gradient_holds_the_amaxes():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     value, (grads, observed) = _step(loss)(params, state, x, c)
-    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.Fp8Recipe(keep_last_matmul_bf16=False))
+    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False))
     want_value, want = jax.jit(jax.value_and_grad(current))(params, x, c)
     assert value == want_value
     for name in params:
@@ -103,7 +103,7 @@ def test_first_step_equals_current_scaling_and_its_gradient_holds_the_amaxes():
 def test_update_rolls_the_newest_amaxes_in():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     step = _step(loss)
     seen = []
     for scale in (1.0, 4.0, 2.0, 0.5, 1.0):
@@ -120,12 +120,12 @@ def _first_layer_output(recipe, lhs_amax, x, w):
         return x @ w
 
     loss = jaxamp.amp(f, compute_dtype=recipe)
-    state = jaxamp.init_fp8_state(loss, x, w)
+    state = jaxamp.fp8.init_fp8_state(loss, x, w)
     (name,) = state.histories
     history = np.zeros((3, LENGTH), np.float32)
     history[0, 1] = lhs_amax  # an older step's amax: "max" takes it, "most_recent" does not
     history[1, 0] = float(np.abs(w).max())
-    return np.asarray(jax.jit(lambda x, w, s: loss(x, w, fp8_state=s))(x, w, jaxamp.Fp8State({name: history})))
+    return np.asarray(jax.jit(lambda x, w, s: loss(x, w, fp8_state=s))(x, w, jaxamp.fp8.Fp8State({name: history})))
 
 
 def test_scales_come_from_the_history():
@@ -149,7 +149,7 @@ def test_scales_come_from_the_history():
 def test_non_finite_values_pass_through_and_stay_out_of_the_history():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     step = _step(loss)
     state = state.update(step(params, state, x, c)[1][1])
     bad = x.at[3, 5].set(jnp.inf)
@@ -184,7 +184,7 @@ def _scan_problem():
 
 def _run_steps(fn, ws, x, steps=3):
     loss = jaxamp.amp(fn, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, ws, x)
+    state = jaxamp.fp8.init_fp8_state(loss, ws, x)
     step = jax.jit(lambda ws, s, x: jax.value_and_grad(lambda w, s: loss(w, x, fp8_state=s), argnums=(0, 1))(ws, s))
     for _ in range(steps):
         value, (grads, observed) = step(ws, state, x)
@@ -225,7 +225,7 @@ def test_remat_recomputes_with_the_same_scales():
 def test_micro_batches_combine_by_max():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x[:8], c[:8])
+    state = jaxamp.fp8.init_fp8_state(loss, params, x[:8], c[:8])
     grad = jax.grad(lambda p, s, x, c: loss(p, x, c, fp8_state=s), argnums=(0, 1))
 
     @jax.jit
@@ -253,7 +253,7 @@ def test_data_parallel_mesh_matches_one_device(kind):
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=4")
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     step = _step(loss)
     one = [state]
     for _ in range(2):
@@ -293,7 +293,7 @@ def test_a_batch_the_jit_closes_over_on_an_explicit_mesh():
     # like it (they were not: JAX's "select cases must have the same shardings").
     params, x = _conv_problem()
     loss = jaxamp.amp(_conv_net, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x)
     want = jax.jit(jax.grad(lambda p, s: loss(p, x, fp8_state=s), argnums=(0, 1)))(params, state)
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
@@ -337,7 +337,7 @@ def test_inside_shard_map_or_pmap_every_device_observes_the_global_amaxes(how):
     x = x * jnp.arange(1, 17, dtype=jnp.float32)[:, None]  # a different amax on each device
     c = c * jnp.arange(1, 17, dtype=jnp.float32)[:, None]
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     want = jax.jit(jax.grad(lambda p, s: loss(p, x, c, fp8_state=s), argnums=(0, 1)))(params, state)[1]
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
     later = state.update(want)  # the second step scales from the history, not live amaxes
@@ -381,10 +381,10 @@ def test_a_shard_map_body_takes_its_histories_as_one_device_does(kind, check_vma
     x = x * jnp.arange(1, 17, dtype=jnp.float32)[:, None]  # a different amax on each device
     one_device, sharded = (jaxamp.amp(f, compute_dtype=_recipe()) for f in (_mlp, per_device))
     step = _step(one_device)
-    state = jaxamp.init_fp8_state(one_device, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(one_device, params, x, c)
     with jax.set_mesh(mesh):
         xs, cs = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, c))
-        assert jaxamp.init_fp8_state(sharded, params, xs, cs).histories.keys() == state.histories.keys()
+        assert jaxamp.fp8.init_fp8_state(sharded, params, xs, cs).histories.keys() == state.histories.keys()
     ones, shardeds = [state], [state]
     for _ in range(3):
         ones.append(ones[-1].update(step(params, ones[-1], x, c)[1][1]))
@@ -428,7 +428,7 @@ def test_a_shard_map_inside_a_scan_keeps_a_history_per_iteration():
     c = jnp.full((16, 64), 2.0**-4)
     one = jaxamp.amp(lambda w, x, c: layers(w, x, c, False), compute_dtype=_recipe())
     sharded = jaxamp.amp(lambda w, x, c: layers(w, x, c, True), compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(one, ws, x, c)
+    state = jaxamp.fp8.init_fp8_state(one, ws, x, c)
     assert [np.shape(h) for h in state.histories.values()] == [(2, 3, LENGTH)]
     grad = jax.jit(jax.grad(lambda w, s: one(w, x, c, fp8_state=s), argnums=(0, 1)))
     state = state.update(grad(ws, state)[1])  # past the first step's live (per-device) amaxes
@@ -443,7 +443,7 @@ def test_a_shard_map_inside_a_scan_keeps_a_history_per_iteration():
 def test_every_matmul_runs_in_float8_forward_and_backward():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     grad_fn = jax.grad(lambda p, s: loss(p, x, c, fp8_state=s), argnums=(0, 1))
     matmuls = matmul_operand_dtypes(jax.make_jaxpr(grad_fn)(params, state))
     forward = [d for _, d in matmuls if d == (E4M3, E4M3)]
@@ -456,14 +456,14 @@ def test_orbax_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     state = state.update(_step(loss)(params, state, x, c)[1][1])
     train_state = {"params": params, "fp8": state}
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "ckpt", train_state)
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(tmp_path / "ckpt", jax.tree.map(jnp.zeros_like, train_state))
-    assert isinstance(restored["fp8"], jaxamp.Fp8State)
+    assert isinstance(restored["fp8"], jaxamp.fp8.Fp8State)
     assert list(restored["fp8"].histories) == list(state.histories)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(train_state)):
         np.testing.assert_array_equal(a, b)
@@ -488,17 +488,17 @@ def test_errors_name_the_fix():
     with pytest.raises(TypeError, match=r"fp8_state must be a jaxamp\.fp8\.Fp8State"):
         loss(params, x, c, fp8_state={"dot_general": jnp.zeros((3, LENGTH))})
     with pytest.raises(TypeError, match=r"fp8_state= is the amax histories .* which keeps no state"):
-        jaxamp.amp(_mlp, compute_dtype="fp8")(params, x, c, fp8_state=jaxamp.init_fp8_state(loss, params, x, c))
+        jaxamp.amp(_mlp, compute_dtype="fp8")(params, x, c, fp8_state=jaxamp.fp8.init_fp8_state(loss, params, x, c))
     with pytest.raises(TypeError, match="init_fp8_state takes a function made by jaxamp.amp"):
-        jaxamp.init_fp8_state(_mlp, params, x, c)
+        jaxamp.fp8.init_fp8_state(_mlp, params, x, c)
     with pytest.raises(TypeError, match="whose fp8 recipe is"):
-        jaxamp.init_fp8_state(jaxamp.amp(_mlp, compute_dtype="fp8"), params, x, c)
+        jaxamp.fp8.init_fp8_state(jaxamp.amp(_mlp, compute_dtype="fp8"), params, x, c)
     # A state made for another program (another batch of layers).
     ws, xl = _scan_problem()
-    other = jaxamp.init_fp8_state(jaxamp.amp(_layers, compute_dtype=_recipe()), ws, xl)
+    other = jaxamp.fp8.init_fp8_state(jaxamp.amp(_layers, compute_dtype=_recipe()), ws, xl)
     with pytest.raises(ValueError, match="does not fit this program"):
         loss(params, x, c, fp8_state=other)
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     with pytest.raises(ValueError, match="different sites or shapes"):
         state.update(other)
     with pytest.raises(TypeError, match="takes an Fp8State"):
@@ -510,14 +510,14 @@ def test_errors_name_the_fix():
         (dict(amax_history_length=2.0), TypeError),
     ):
         with pytest.raises(kind, match="Fp8Recipe"):
-            jaxamp.Fp8Recipe(scaling="delayed", **bad)
+            jaxamp.fp8.Fp8Recipe(scaling="delayed", **bad)
 
 
 @pytest.mark.newest_only
 def test_not_differentiating_the_state_warns_once(fresh_warnings):
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     with pytest.warns(UserWarning, match="not with respect to its fp8_state"):
         jax.grad(lambda p: loss(p, x, c, fp8_state=state))(params)
 
@@ -536,7 +536,7 @@ def test_a_custom_vjp_body_runs_from_live_values_and_says_why(fresh_warnings):
     params, x, c = _problem()
     loss = jaxamp.amp(f, compute_dtype=_recipe())
     with pytest.warns(UserWarning, match="inside a jax.custom_vjp function"):
-        state = jaxamp.init_fp8_state(loss, params, x, c)
+        state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     assert list(state.histories) == ["dot_general"]  # the matmul outside the custom_vjp
     grads, observed = _step(loss)(params, state, x, c)[1]
     assert np.isfinite(np.asarray(grads["w1"])).all() and observed.histories["dot_general"][2, 0] > 0
@@ -549,7 +549,7 @@ def test_each_branch_of_a_cond_has_its_own_history():
 
     params, x, c = _problem()
     loss = jaxamp.amp(f, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c, True)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c, True)
     assert list(state.histories) == ["dot_general", "dot_general#2"]
     grad = jax.jit(jax.grad(lambda p, s, which: loss(p, x, c, which, fp8_state=s), argnums=(0, 1)))
     # In the order of the cond's branches: lax.cond's false branch is its first.
@@ -594,7 +594,7 @@ def test_an_equinox_model_differentiated_with_its_state(fresh_warnings):
         return jnp.mean(jax.vmap(model)(x) ** 2)
 
     loss = jaxamp.amp(loss_fn, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, model, x)
+    state = jaxamp.fp8.init_fp8_state(loss, model, x)
     assert list(state.histories) == ["eqx.nn.MLP/eqx.nn.Linear/dot_general", "eqx.nn.MLP/eqx.nn.Linear/dot_general#2"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the state is differentiated: no warning
@@ -609,9 +609,9 @@ def test_an_equinox_model_differentiated_with_its_state(fresh_warnings):
 def test_an_eager_call_runs_the_delayed_recipe():
     params, x, c = _problem()
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
-    state = jaxamp.init_fp8_state(loss, params, x, c)
+    state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     # The first step, eagerly: tensorwise's eager result, bit for bit.
-    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.Fp8Recipe(keep_last_matmul_bf16=False))
+    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False))
     assert loss(params, x, c, fp8_state=state) == current(params, x, c)
     state = state.update(_step(loss)(params, state, x, c)[1][1])
     # Eager calls are not cached (the histories are this call's inputs): both run.

@@ -168,7 +168,7 @@ def test_fast_accumulation_is_recorded_on_each_passs_float8_gemms(scaling):
     fast, full = (jax.lax.Precision.DEFAULT,) * 2, (jax.lax.Precision.HIGHEST,) * 2
     grads = {}
     for option, forward, gradient in (("forward", fast, full), ("all", fast, fast), ("none", full, full)):
-        recipe = jaxamp.Fp8Recipe(
+        recipe = jaxamp.fp8.Fp8Recipe(
             scaling=scaling, keep_last_matmul_bf16=False, gradient_format="e5m2", fast_accumulation=option
         )
         loss = jaxamp.amp(lambda w, x: jnp.sum(jnp.tanh(x @ w)), compute_dtype=recipe)
@@ -186,4 +186,4 @@ def test_fast_accumulation_is_recorded_on_each_passs_float8_gemms(scaling):
 
 def test_fast_accumulation_rejects_other_names():
     with pytest.raises(ValueError, match=r"fast_accumulation must be one of \('forward', 'all', 'none'\), got 'bwd'"):
-        jaxamp.Fp8Recipe(fast_accumulation="bwd")
+        jaxamp.fp8.Fp8Recipe(fast_accumulation="bwd")

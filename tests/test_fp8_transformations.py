@@ -33,7 +33,7 @@ pytestmark = pytest.mark.jax_internals
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 RECIPES = {
-    scaling: jaxamp.Fp8Recipe(
+    scaling: jaxamp.fp8.Fp8Recipe(
         scaling=scaling, min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False, power_of_two_scales=True
     )
     for scaling in ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -151,7 +151,7 @@ def test_a_hessian_in_fp8_mode_is_bf16_modes_on_random_values(fresh_warnings):
         return jnp.sum(jnp.tanh(x @ w1) @ w2) ** 2
 
     # Both matmuls in float8 (they share jnp.matmul's body, the last matmul's).
-    recipe = jaxamp.Fp8Recipe(keep_last_matmul_bf16=False)
+    recipe = jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False)
     with pytest.warns(UserWarning, match="differentiated twice"):
         fp8 = jax.jit(jax.hessian(jaxamp.amp(loss, compute_dtype=recipe), (0, 1)))(w1, w2)
     bf16 = jax.jit(jax.hessian(jaxamp.amp(loss, compute_dtype="bf16"), (0, 1)))(w1, w2)
@@ -167,7 +167,7 @@ def test_a_derivative_taken_of_a_traced_derivative_raises_a_clear_error():
     loss, w, v = _problem()
     run = HIGHER_ORDER["jvp(jit(grad))"]
     _assert_equal(run(jaxamp.amp(loss, compute_dtype="bf16"), w, v), run(loss, w, v))
-    with pytest.raises(jaxamp.Fp8HigherOrderError, match="differentiated again.*compute_dtype='bf16'"):
+    with pytest.raises(jaxamp.fp8.Fp8HigherOrderError, match="differentiated again.*compute_dtype='bf16'"):
         run(jaxamp.amp(loss, compute_dtype=RECIPES["tensorwise"]), w, v)
 
 

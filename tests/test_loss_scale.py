@@ -142,7 +142,7 @@ def test_register_empty_pytree():
     class Marker:
         pass
 
-    jaxamp.register_empty_pytree(Marker)
+    jaxamp.scaling.register_empty_pytree(Marker)
     marker = Marker()
     leaves, treedef = jax.tree_util.tree_flatten(marker)
     assert leaves == [] and jax.tree_util.tree_unflatten(treedef, []) is marker

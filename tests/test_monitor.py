@@ -1,4 +1,4 @@
-"""`jaxamp.monitor`: statistics inside jit equal a direct computation on the same values."""
+"""`jaxamp.monitoring.monitor`: statistics inside jit equal a direct computation on the same values."""
 
 import math
 import warnings
@@ -66,7 +66,7 @@ def params_and_batch(seed=0, width=8):
 @pytest.mark.newest_only
 def test_forward_and_backward_statistics_equal_a_direct_computation_under_jit():
     params, x = params_and_batch()
-    step = jax.jit(jaxamp.monitor(jax.value_and_grad(two_layers)))
+    step = jax.jit(jaxamp.monitoring.monitor(jax.value_and_grad(two_layers)))
     (loss, grads), stats = step(params, x)
     found = by_site(stats)
     w1, w2 = (w.astype(BF16) for w in params)
@@ -102,7 +102,9 @@ def test_monitored_outputs_equal_the_unmonitored_and_the_lowered_program_is_unto
     plain = jax.jit(jax.value_and_grad(jaxamp.amp(two_layers, compute_dtype="bf16")))
     before = plain.lower(params, x).as_text()
     unmonitored = plain(params, x)
-    monitored, _ = jax.jit(jaxamp.monitor(jax.value_and_grad(jaxamp.amp(two_layers, compute_dtype="bf16"))))(params, x)
+    monitored, _ = jax.jit(jaxamp.monitoring.monitor(jax.value_and_grad(jaxamp.amp(two_layers, compute_dtype="bf16"))))(
+        params, x
+    )
     for a, b in zip(jax.tree.leaves(unmonitored), jax.tree.leaves(monitored)):
         np.testing.assert_array_equal(a, b)
     assert plain.lower(params, x).as_text() == before
@@ -121,7 +123,7 @@ def test_scan_combines_iterations_and_remat_is_not_measured_twice():
         h, _ = jax.lax.scan(layer, x.astype(BF16), ws)
         return jnp.sum(h.astype(jnp.float32))
 
-    _, stats = jax.jit(jaxamp.monitor(jax.value_and_grad(loss)))(ws, x)
+    _, stats = jax.jit(jaxamp.monitoring.monitor(jax.value_and_grad(loss)))(ws, x)
     found = by_site(stats)
     hs, per_iteration = [x.astype(BF16)], []
     for w in ws:
@@ -159,7 +161,7 @@ def test_cond_and_while_measure_what_ran():
     w = params[0]
     values = FIELDS.index("values")
     for flag, want in ((True, [x.size, 3 * x.size]), (False, [0, 3 * x.size])):
-        _, stats = jax.jit(jaxamp.monitor(fn))(w, x, flag)
+        _, stats = jax.jit(jaxamp.monitoring.monitor(fn))(w, x, flag)
         lhs = [v[values] for s, v in zip(stats.sites, np.asarray(stats.vectors)) if s.name.endswith(".lhs")]
         assert sorted(lhs) == want  # the cond's matmul once (not at all when untaken), the loop's three times
 
@@ -190,7 +192,7 @@ def test_shard_map_stacks_devices_and_counts_replicated_values_once():
     # Backward: the sum's cotangent is ones; per device, the weight's gradient
     # matmul is that device's x^T @ ones, its result combined over devices.
     with jax.set_mesh(mesh):
-        _, stats = jax.jit(jaxamp.monitor(jax.grad(loss)))(params[0], xs)
+        _, stats = jax.jit(jaxamp.monitoring.monitor(jax.grad(loss)))(params[0], xs)
     backward = [v for (d, scope, name), v in by_site(stats).items() if d == "backward" and name.endswith(".out")]
     shards = np.split(np.asarray(x.astype(BF16)), len(devices))
     ones = jnp.ones((shards[0].shape[0], params[0].shape[1]), BF16)
@@ -213,8 +215,8 @@ def test_fp8_operands_report_their_scale_and_the_amax_quantised():
         with jax.named_scope("last"):
             return jnp.sum(h @ params[2])
 
-    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.Fp8Recipe(keep_last_matmul_bf16=False))
-    _, stats = jax.jit(jaxamp.monitor(jax.value_and_grad(amp_loss)))((w1, w2, w3), x)
+    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False))
+    _, stats = jax.jit(jaxamp.monitoring.monitor(jax.value_and_grad(amp_loss)))((w1, w2, w3), x)
     rows = {(r["direction"], r["scope"], r["name"]): r for r in stats.rows()}
     lhs = rows[("forward", "middle", "dot_general[0].lhs")]
     assert lhs["fp8"] and lhs["dtype"] == "float8_e4m3fn"
@@ -241,7 +243,7 @@ def test_fp8_on_an_auto_mesh_reports_each_products_operands():
             h = jnp.tanh(x @ w)
         return jnp.sum((h @ w).astype(jnp.float32) ** 2)
 
-    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.Fp8Recipe(keep_last_matmul_bf16=False))
+    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False))
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("error")
         xs = jax.device_put(x, jax.NamedSharding(mesh, P("data")))
@@ -271,7 +273,7 @@ def test_statistics_of_any_magnitude_match_numpy(exponent, dtype, special):
         with jax.named_scope("s"):
             return jnp.ones((2, 6), dtype) @ w
 
-    _, stats = jax.jit(jaxamp.monitor(fn, headroom_bits=2))(w)
+    _, stats = jax.jit(jaxamp.monitoring.monitor(fn, headroom_bits=2))(w)
     found = by_site(stats)
     np.testing.assert_array_equal(found[("forward", "s", "dot_general[0].rhs")], reference(w, headroom_bits=2))
     # A broadcast constant is measured from its scalar, counts multiplied.
@@ -287,7 +289,7 @@ def test_rows_derive_headroom_and_fractions():
         with jax.named_scope("hot"):
             return jnp.ones((1, 2), jnp.float16) @ w
 
-    _, stats = jaxamp.monitor(fn)(w)
+    _, stats = jaxamp.monitoring.monitor(fn)(w)
     rows = stats.rows()
     np.testing.assert_array_equal(stats.field("amax"), [r["amax"] for r in rows])
     row = next(r for r in rows if r["name"] == "dot_general[0].rhs")
@@ -298,10 +300,10 @@ def test_rows_derive_headroom_and_fractions():
 
 def test_bad_input_and_differentiating_the_monitor_raise():
     with pytest.raises(TypeError, match="expects a callable"):
-        jaxamp.monitor(3)
+        jaxamp.monitoring.monitor(3)
     with pytest.raises(ValueError, match="headroom_bits"):
-        jaxamp.monitor(lambda x: x, headroom_bits=-1)
-    monitored = jaxamp.monitor(lambda x: jnp.sum(x.astype(BF16) @ x.astype(BF16)).astype(jnp.float32))
+        jaxamp.monitoring.monitor(lambda x: x, headroom_bits=-1)
+    monitored = jaxamp.monitoring.monitor(lambda x: jnp.sum(x.astype(BF16) @ x.astype(BF16)).astype(jnp.float32))
     with pytest.raises(TypeError, match=r"jaxamp\.monitoring\.monitor\(jax\.value_and_grad\(loss\)\)"):
         jax.grad(lambda x: monitored(x)[0])(jnp.ones((2, 2)))
 
@@ -310,10 +312,10 @@ def test_flax_nnx_objects_get_an_error_that_says_what_to_monitor_instead():
     nnx = pytest.importorskip("flax.nnx")
     model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"not flax nnx objects.*nnx.split\(model\)"):
-        jaxamp.monitor(lambda m, x: m(x))(model, jnp.ones((2, 4)))
+        jaxamp.monitoring.monitor(lambda m, x: m(x))(model, jnp.ones((2, 4)))
     graphdef, state = nnx.split(model)
     forward = jaxamp.amp(lambda s, x: nnx.merge(graphdef, s)(x), compute_dtype="bf16")
-    out, stats = jax.jit(jaxamp.monitor(forward))(state, jnp.ones((2, 4)))
+    out, stats = jax.jit(jaxamp.monitoring.monitor(forward))(state, jnp.ones((2, 4)))
     names = [s.name for s in stats.sites][:3]
     assert out.shape == (2, 4) and names == [f"dot_general[0].{r}" for r in ("lhs", "rhs", "out")]
 
@@ -321,7 +323,7 @@ def test_flax_nnx_objects_get_an_error_that_says_what_to_monitor_instead():
 def test_pmap_and_vmap_of_a_monitored_step_combine_their_devices_in_rows_and_records():
     devices = jax.local_device_count()
     params, x = params_and_batch()
-    step = jaxamp.monitor(jax.value_and_grad(two_layers))
+    step = jaxamp.monitoring.monitor(jax.value_and_grad(two_layers))
     _, single = jax.jit(step)(params, x)
     want = {(r["direction"], r["scope"], r["name"]): r for r in single.rows()}
     stacked = [jnp.stack([p] * devices) for p in params]
@@ -333,7 +335,7 @@ def test_pmap_and_vmap_of_a_monitored_step_combine_their_devices_in_rows_and_rec
         for row in rows:
             one = want[(row["direction"], row["scope"], row["name"])]
             assert row["amax"] == one["amax"] and row["values"] == devices * one["values"]
-        recorder = jaxamp.MonitorRecorder()
+        recorder = jaxamp.monitoring.MonitorRecorder()
         recorder.record(0, stats)
         assert [s["values"] for s in recorder.flush()[0]["sites"]] == [r["values"] for r in rows]
 
@@ -353,6 +355,6 @@ def test_a_kernel_the_monitor_cannot_enter_runs_as_is_and_is_named(monkeypatch):
 
     x = jnp.ones((8, 8), BF16)
     with pytest.warns(RuntimeWarning, match="does not look inside 'pallas_call' equations"):
-        out, stats = jax.jit(jaxamp.monitor(fn))(x, x)
+        out, stats = jax.jit(jaxamp.monitoring.monitor(fn))(x, x)
     np.testing.assert_array_equal(out, fn(x, x))
     assert stats.sites == ()

@@ -45,14 +45,14 @@ def train(steps=6, every=2, path=None, tensorboard_dir=None):
     grad_fn = jaxamp.dynamic_scale_value_and_grad(jaxamp.amp(loss, compute_dtype="f16"))
 
     @jax.jit
-    @jaxamp.monitor
+    @jaxamp.monitoring.monitor
     def step(state, params, x):
         state, (value, grads) = grad_fn(params, x, dynamic_scaler_state=state)
         params = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
         return state, params, value, jaxamp.all_finite(grads)
 
     state = jaxamp.DynamicScalerState(scaler=4.0, patience=2)
-    recorder = jaxamp.MonitorRecorder(every=every, path=path, tensorboard_dir=tensorboard_dir)
+    recorder = jaxamp.monitoring.MonitorRecorder(every=every, path=path, tensorboard_dir=tensorboard_dir)
     for i in range(steps):
         (next_state, params, value, finite), stats = step(state, params, x)
         recorder.record(i, stats, loss_scale=state, finite=finite)  # the scale the step ran with
@@ -63,8 +63,8 @@ def train(steps=6, every=2, path=None, tensorboard_dir=None):
 def test_the_recorder_makes_no_host_transfer_per_step(monkeypatch):
     params = init(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (32, WIDTH))
-    step = jax.jit(jaxamp.monitor(jax.value_and_grad(jaxamp.amp(loss, compute_dtype="f16"))))
-    recorder = jaxamp.MonitorRecorder(every=1, flush_every=5)
+    step = jax.jit(jaxamp.monitoring.monitor(jax.value_and_grad(jaxamp.amp(loss, compute_dtype="f16"))))
+    recorder = jaxamp.monitoring.MonitorRecorder(every=1, flush_every=5)
     scale = jnp.float32(1024.0)
     # XLA's CPU backend does not guard device-to-host copies (its arrays are in
     # host memory), so reads are counted where every read of an array's value
@@ -124,11 +124,11 @@ def test_the_badly_scaled_layer_is_named_first_by_the_report_compare_and_suggest
     _, summaries, _, _ = jaxamp.monitoring.summarize(recorder)
     assert summaries[0].scope == "tiny" and summaries[0].underflow > 0.5
 
-    page = jaxamp.monitor_report(recorder, tmp_path / "report.html")
+    page = jaxamp.monitoring.monitor_report(recorder, tmp_path / "report.html")
     cells = _table_cells(open(page).read())
     assert cells[0][1] == "tiny"
 
-    suggestion = jaxamp.suggest_policy(recorder)
+    suggestion = jaxamp.monitoring.suggest_policy(recorder)
     assert suggestion.keep_float32[0].scope == "tiny"
     assert "below float16's smallest normal" in suggestion.keep_float32[0].reason
     assert "'tiny': jaxamp.use_original_precision" in str(suggestion)
@@ -147,7 +147,7 @@ def test_the_png_report_has_its_size_and_pixels(tmp_path):
     import matplotlib.image
 
     recorder, _, _ = train(steps=4, every=1)
-    image = matplotlib.image.imread(jaxamp.monitor_report(recorder, tmp_path / "report.png"))
+    image = matplotlib.image.imread(jaxamp.monitoring.monitor_report(recorder, tmp_path / "report.png"))
     height, width = image.shape[:2]
     assert width == 1400 and height > 400
     assert np.mean(image[..., :3] < 0.9) > 0.02  # drawn, not blank
@@ -173,7 +173,7 @@ def test_suggest_policy_reads_the_loss_scale_range_from_cotangents():
         dict(kind="loss_scale", step=0, loss_scale=1.0, skipped=False, event="start"),
         dict(kind="stats", step=0, headroom_bits=4.0, sites=[cotangent, operand]),
     ]
-    suggestion = jaxamp.suggest_policy(records)
+    suggestion = jaxamp.monitoring.suggest_policy(records)
     assert suggestion.loss_scale.verdict == "loss_scale" and suggestion.scale_range == (12, 13)
     assert "50.00% at 2^0, 5.00% at 2^6, 0.00% at 2^12" in suggestion.loss_scale.reason
     pasted = {"jaxamp": jaxamp}
@@ -183,7 +183,7 @@ def test_suggest_policy_reads_the_loss_scale_range_from_cotangents():
     # at 2^10, none at 2^16, but 2^16 would overflow (2048 / 2^10 = 2 unscaled).
     scaled = dict(cotangent, amax=2.0 * 2**10, **{"below_2^-14": 5.0, "below_2^-20": 0.0})
     records = [dict(records[0], loss_scale=2.0**10), dict(records[1], sites=[scaled])]
-    at_scale = jaxamp.suggest_policy(records)
+    at_scale = jaxamp.monitoring.suggest_policy(records)
     assert at_scale.scale_range is None
     assert "5.00% at 2^10, 0.00% at 2^16" in at_scale.loss_scale.reason
     assert "scales above 2^13 would overflow the largest cotangent (2)" in at_scale.loss_scale.reason
@@ -195,20 +195,20 @@ def test_fp8_stability_flags_a_jumping_amax():
         steady = dict(site, scope="steady", amax=1.0)
         return dict(kind="stats", step=step, headroom_bits=4.0, sites=[site, steady])
 
-    suggestion = jaxamp.suggest_policy([record(0, 1.0), record(10, 1.2), record(20, 9.0)])
+    suggestion = jaxamp.monitoring.suggest_policy([record(0, 1.0), record(10, 1.2), record(20, 9.0)])
     assert [(s.scope, s.verdict) for s in suggestion.fp8] == [("proj", "fp8_unstable"), ("steady", "fp8_stable")]
     assert "2.91 bits between recorded steps 10 and 20" in suggestion.fp8[0].reason
 
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="every must be a positive integer"):
-        jaxamp.MonitorRecorder(every=0)
+        jaxamp.monitoring.MonitorRecorder(every=0)
     with pytest.raises(TypeError, match="stats must be the MonitorStats"):
-        jaxamp.MonitorRecorder().record(0, {"not": "stats"})
+        jaxamp.monitoring.MonitorRecorder().record(0, {"not": "stats"})
     with pytest.raises(ValueError, match=r"\.html or \.png"):
-        jaxamp.monitor_report([], "report.pdf")
+        jaxamp.monitoring.monitor_report([], "report.pdf")
     with pytest.raises(ValueError, match="no statistics"):
-        jaxamp.suggest_policy([])
+        jaxamp.monitoring.suggest_policy([])
 
 
 def _table_cells(page):

@@ -47,7 +47,7 @@ def _loss(params, x):
 
 def _hand_cast_bf16(params, x):
     # jmp-style: parameters and activations in bf16, the loss in float32.
-    params, x = jaxamp.cast_floating((params, x), jnp.bfloat16)
+    params, x = jaxamp.policies.cast_floating((params, x), jnp.bfloat16)
     return _loss(params, x).astype(jnp.float32)
 
 
@@ -220,7 +220,7 @@ def test_norms_the_statistics_pass_finds_save_their_bf16_input(kind):
         return jnp.mean((apply(norm_params, x @ w1) @ w2) ** 2)
 
     def hand_cast(params, x):
-        params, x = jaxamp.cast_floating((params, x), jnp.bfloat16)
+        params, x = jaxamp.policies.cast_floating((params, x), jnp.bfloat16)
         return loss(params, x).astype(jnp.float32)
 
     amp_loss = jaxamp.amp(loss, compute_dtype="bf16")

@@ -25,7 +25,7 @@ def _grads(bad=False):
 
 
 def test_finite_steps_match_the_plain_optimizer():
-    plain, wrapped = optax.adam(0.1), jaxamp.skip_nonfinite_updates(optax.adam(0.1))
+    plain, wrapped = optax.adam(0.1), jaxamp.scaling.skip_nonfinite_updates(optax.adam(0.1))
     params = _params()
     plain_state, wrapped_state = plain.init(params), wrapped.init(params)
     for _ in range(3):
@@ -37,7 +37,7 @@ def test_finite_steps_match_the_plain_optimizer():
 
 
 def test_non_finite_step_is_skipped_and_counted():
-    optimizer = jaxamp.skip_nonfinite_updates(optax.adam(0.1))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.adam(0.1))
     params = _params()
     state = optimizer.init(params)
     _, state = optimizer.update(_grads(), state, params)
@@ -55,21 +55,21 @@ def test_non_finite_step_is_skipped_and_counted():
 
 
 def test_apply_if_finite_updates_keeps_exact_bits_where_apply_updates_does_not():
-    optimizer = jaxamp.skip_nonfinite_updates(optax.sgd(0.1))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.sgd(0.1))
     params = _params()
     updates, state = optimizer.update(_grads(bad=True), optimizer.init(params), params)
-    kept = jaxamp.apply_if_finite_updates(params, updates, state.last_finite)
+    kept = jaxamp.scaling.apply_if_finite_updates(params, updates, state.last_finite)
     assert _bits(kept) == _bits(params)
     # Adding the zero updates turns -0.0 into +0.0: that is what the helper avoids.
     assert _bits(optax.apply_updates(params, updates)) != _bits(params)
     updates, state = optimizer.update(_grads(), state, params)
-    stepped = jaxamp.apply_if_finite_updates(params, updates, state.last_finite)
+    stepped = jaxamp.scaling.apply_if_finite_updates(params, updates, state.last_finite)
     np.testing.assert_allclose(stepped["w"], [0.95, -0.1, -1.9])
 
 
 def test_never_gives_up_unlike_optax_apply_if_finite():
     params = _params()
-    ours = jaxamp.skip_nonfinite_updates(optax.sgd(0.1))
+    ours = jaxamp.scaling.skip_nonfinite_updates(optax.sgd(0.1))
     theirs = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=2)
     our_state, their_state = ours.init(params), theirs.init(params)
     for _ in range(4):
@@ -81,7 +81,7 @@ def test_never_gives_up_unlike_optax_apply_if_finite():
 
 
 def test_wraps_chains_under_jit():
-    optimizer = jaxamp.skip_nonfinite_updates(
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(
         optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(), optax.scale(-0.1))
     )
 
@@ -89,7 +89,7 @@ def test_wraps_chains_under_jit():
     def step(params, state, bad):
         grads = jax.tree_util.tree_map(lambda g: g * jnp.where(bad, jnp.inf, 1.0), _grads())
         updates, state = optimizer.update(grads, state, params)
-        return jaxamp.apply_if_finite_updates(params, updates, state.last_finite), state
+        return jaxamp.scaling.apply_if_finite_updates(params, updates, state.last_finite), state
 
     params = _params()
     state = optimizer.init(params)
@@ -108,13 +108,13 @@ def test_extra_args_are_passed_on():
         return updates, state
 
     inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
-    optimizer = jaxamp.skip_nonfinite_updates(inner)
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(inner)
     optimizer.update(_grads(), optimizer.init(_params()), _params(), value=3.0)
     assert seen["value"] == 3.0
 
 
 def test_integer_leaves_and_none_are_not_checked():
-    optimizer = jaxamp.skip_nonfinite_updates(optax.identity())
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.identity())
     grads = {"g": jnp.ones(2), "n": jnp.arange(2), "none": None}
     _, state = optimizer.update(grads, optimizer.init(grads))
     assert bool(state.last_finite)
@@ -122,12 +122,12 @@ def test_integer_leaves_and_none_are_not_checked():
 
 def test_rejects_a_non_optimizer():
     with pytest.raises(TypeError, match="GradientTransformation.*'adam'"):
-        jaxamp.skip_nonfinite_updates("adam")
+        jaxamp.scaling.skip_nonfinite_updates("adam")
 
 
 def test_apply_if_finite_updates_rejects_a_non_boolean_flag():
     with pytest.raises(AssertionError, match="expected boolean scalar"):
-        jaxamp.apply_if_finite_updates(_params(), _params(), jnp.float32(1.0))
+        jaxamp.scaling.apply_if_finite_updates(_params(), _params(), jnp.float32(1.0))
 
 
 def test_state_can_be_donated():

@@ -84,12 +84,12 @@ def test_amp_gradients_in_bf16_or_float32_give_the_same_step(rounding):
 
 def _skipping_step(optimizer):
     grad_fn = jax.grad(_loss)
-    wrapped = jaxamp.skip_nonfinite_updates(optimizer)
+    wrapped = jaxamp.scaling.skip_nonfinite_updates(optimizer)
 
     def step(carry, x, y, poisoned):
         params, state = carry
         updates, state = wrapped.update(grad_fn(params, x, y, poisoned), state, params)
-        return jaxamp.apply_if_finite_updates(params, updates, state.last_finite), state
+        return jaxamp.scaling.apply_if_finite_updates(params, updates, state.last_finite), state
 
     def init(params):
         return params, wrapped.init(params)
@@ -102,13 +102,13 @@ def _skipping_step(optimizer):
 
 def _dynamic_scaler_step(optimizer):
     grad_fn = jaxamp.dynamic_scale_grad(_loss, filter=False)
-    wrapped = jaxamp.skip_nonfinite_updates(optimizer)
+    wrapped = jaxamp.scaling.skip_nonfinite_updates(optimizer)
 
     def step(carry, x, y, poisoned):
         params, state, scaler = carry
         scaler, grads = grad_fn(params, x, y, poisoned, dynamic_scaler_state=scaler)
         updates, state = wrapped.update(grads, state, params)
-        return jaxamp.apply_if_finite_updates(params, updates, state.last_finite), state, scaler
+        return jaxamp.scaling.apply_if_finite_updates(params, updates, state.last_finite), state, scaler
 
     def init(params):
         return params, wrapped.init(params), jaxamp.DynamicScalerState(scaler=2.0**10)

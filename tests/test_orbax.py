@@ -50,7 +50,7 @@ STATES = {
     "dynamic_scaler": lambda: jaxamp.DynamicScalerState(scaler=2.0**10, count=7, total_resets=2, patience=50),
     "grad_scaler": _grad_scaler_after_a_step,
     "jmp_loss_scale": lambda: jaxamp.DynamicLossScale(jnp.float32(2.0**9), jnp.int32(5), period=10),
-    "skip_nonfinite": lambda: _after_a_step(jaxamp.skip_nonfinite_updates(optax.adam(1e-3)), _params()),
+    "skip_nonfinite": lambda: _after_a_step(jaxamp.scaling.skip_nonfinite_updates(optax.adam(1e-3)), _params()),
     "stochastic_rounding": lambda: _after_a_step(_rounded_optimizer("stochastic"), _params()),
     "kahan": lambda: _after_a_step(_rounded_optimizer("kahan"), _params()),
     "raw_key": lambda: {"key": jax.random.PRNGKey(11)},  # Orbax saves trees, not bare arrays
@@ -115,7 +115,7 @@ def test_orbax_restores_a_train_state_under_jit_and_keeps_training(tmp_path):
     # A whole f16 train state; training resumed from the checkpoint matches
     # training that never stopped, bit for bit.
     params = {"w": jnp.ones((3, 2)) / 3}
-    optimizer = jaxamp.skip_nonfinite_updates(optax.adam(1e-2))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.adam(1e-2))
     grad_fn = jaxamp.dynamic_scale_value_and_grad(
         jaxamp.amp(lambda p, x: jnp.mean((x @ p["w"]) ** 2), compute_dtype="f16"), filter=False
     )
@@ -125,7 +125,7 @@ def test_orbax_restores_a_train_state_under_jit_and_keeps_training(tmp_path):
         params, opt_state, scaler = state
         scaler, (_, grads) = grad_fn(params, x, dynamic_scaler_state=scaler)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return jaxamp.apply_if_finite_updates(params, updates, opt_state.last_finite), opt_state, scaler
+        return jaxamp.scaling.apply_if_finite_updates(params, updates, opt_state.last_finite), opt_state, scaler
 
     xs = [jnp.full((4, 3), i + 1.0) for i in range(4)]
     state = (params, optimizer.init(params), jaxamp.DynamicScalerState(patience=1))

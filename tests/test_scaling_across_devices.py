@@ -120,7 +120,7 @@ def test_redo_in_shard_map_runs_the_same_attempts_on_every_device():
 def test_reduce_scattered_gradients_skip_everywhere():
     # ZeRO / FSDP: each device holds one shard of the gradients; an inf that
     # reaches one shard must skip the step on all of them.
-    optimizer = jaxamp.skip_nonfinite_updates(optax.sgd(0.1))
+    optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.sgd(0.1))
     scaler = jaxamp.GradScaler(init_scale=2.0**10)
 
     def step(w, x):
@@ -181,7 +181,7 @@ def _apis(axis_name):
         return scale.adjust(jaxamp.all_finite(x, axis_name=()), **kwargs).loss_scale == 8.0
 
     def skip(x):
-        optimizer = jaxamp.skip_nonfinite_updates(optax.sgd(1.0), **kwargs)
+        optimizer = jaxamp.scaling.skip_nonfinite_updates(optax.sgd(1.0), **kwargs)
         return optimizer.update(x, optimizer.init(x), x)[1].last_finite
 
     return {

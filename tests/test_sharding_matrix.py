@@ -134,7 +134,7 @@ def _optimizer(loss, wrap):
     def run(params, x, y):
         value, grads = value_and_grad(params, x, y)
         updates, _ = optimizer.update(grads, optimizer.init(params), params)
-        new = jaxamp.apply_if_finite_updates(params, updates, jaxamp.all_finite(grads))
+        new = jaxamp.scaling.apply_if_finite_updates(params, updates, jaxamp.all_finite(grads))
         return value, jax.tree_util.tree_map(jnp.subtract, params, new)
 
     return run
@@ -151,7 +151,7 @@ def _policy(loss):
 
 # Every matmul of the small MLP in float8, its last and sizes no float8 GEMM
 # takes included (the defaults keep those in bf16).
-_EVERY_FP8 = jaxamp.Fp8Recipe(min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
+_EVERY_FP8 = jaxamp.fp8.Fp8Recipe(min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
 
 APIS = {
     "amp bf16": (functools.partial(_amp, compute_dtype="bf16"), 3e-2),
@@ -171,7 +171,7 @@ APIS = {
     "dynamic_scale_grad": (_dynamic_scale_grad, 5e-3),
     "GradScaler": (_grad_scaler, 5e-3),
     "DynamicLossScale": (_jmp_loss_scale, 5e-3),
-    "skip_nonfinite_updates": (functools.partial(_optimizer, wrap=jaxamp.skip_nonfinite_updates), 3e-2),
+    "skip_nonfinite_updates": (functools.partial(_optimizer, wrap=jaxamp.scaling.skip_nonfinite_updates), 3e-2),
     "optim.cast_state": (functools.partial(_optimizer, wrap=jaxamp.optim.cast_state), 3e-2),
     "Policy": (_policy, 3e-2),
 }
