@@ -13,10 +13,12 @@ versions), and one test function of every module. It prints the others: mark
 them ``@pytest.mark.newest_only`` (they still run on the newest JAX, as every
 test does).
 
-Run on the oldest JAX (pytest-cov is not among the project's dependencies)::
+Run on the oldest JAX (pytest-cov is not among the project's dependencies; the
+empty ``addopts`` runs the tests in this process, without xdist's ``--dist``,
+under which pytest-cov records no per-test contexts)::
 
     pip install pytest-cov
-    pytest -n0 -m "jax_internals and not newest_only" --cov=jaxamp --cov-branch \\
+    pytest -o addopts="" -m "jax_internals and not newest_only" --cov=jaxamp --cov-branch \\
         --cov-context=test --cov-report= --junitxml=oldest.xml
     python .ci/oldest_selection.py .coverage oldest.xml
 """
