@@ -91,7 +91,7 @@ def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
         for all devices (`forward_finite`).
     """
     scale = as_loss_scale(loss_scale)
-    from_state = not isinstance(loss_scale, (int, float, jax.Array, np.ndarray, np.generic))
+    from_state = not isinstance(loss_scale, (int, float, *_SCALE_ARRAYS))
 
     def wrap_inputs(flat: list) -> list:
         if from_state:
@@ -144,6 +144,10 @@ def forward_finite(tree: Any) -> jax.Array:
     return on_every_device(ok, what="amp's loss_scale")
 
 
+# A scale given as an array (a fixed or traced scale, not an optimizer state).
+_SCALE_ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+
 def as_loss_scale(loss_scale: Any) -> jax.Array:
     """amp's ``loss_scale=`` argument as a float32 scalar array.
 
@@ -167,7 +171,7 @@ def as_loss_scale(loss_scale: Any) -> jax.Array:
         )
     if isinstance(loss_scale, (int, float)):
         return checked_scalar("amp's loss_scale", loss_scale, jnp.float32, lower=0.0, inclusive=False)
-    if isinstance(loss_scale, (jax.Array, np.ndarray, np.generic)):
+    if isinstance(loss_scale, _SCALE_ARRAYS):
         if not jnp.issubdtype(jnp.result_type(loss_scale), jnp.floating):
             raise TypeError(
                 "amp's loss_scale must be a floating scalar (the loss scale) or an optimizer "
@@ -265,7 +269,7 @@ def keep_returned_batch_stats(given: Any, out: Any) -> Any:
     def keep(x: Any) -> Any:
         if not matches(x):
             return x
-        leaves, treedef = jax.tree_util.tree_flatten(x)
-        return jax.tree_util.tree_unflatten(treedef, [jnp.where(finite, a, b) for a, b in zip(leaves, old_leaves)])
+        # The old statistics in `x`'s container (a dict where the state holds a FrozenDict).
+        return select_tree(finite, x, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), old_leaves))
 
     return jax.tree_util.tree_map(keep, out, is_leaf=matches)
