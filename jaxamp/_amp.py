@@ -10,7 +10,7 @@ from typing import Any
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
-from .scaling._in_grad import keep_returned_batch_stats, keep_returned_state, loss_scale_hooks
+from .scaling._in_grad import keep_returned_state, loss_scale_hooks
 
 __all__ = ["amp"]
 
@@ -132,7 +132,7 @@ def amp(
             state = _delayed_state(kwargs.pop("fp8_state", None))
             # Not cached eagerly: the histories are inputs of this call only.
             out = options.run(fn, args, kwargs, site_state=state.site_state(), **hooks)
-            return _keep_returned(loss_scale, (args, kwargs), out) if hooks else out
+            return keep_returned_state(loss_scale, (args, kwargs), out) if hooks else out
         if "fp8_state" in kwargs and not _takes_keyword(fn, "fp8_state"):
             raise TypeError(
                 "fp8_state= is the amax histories of Fp8Recipe(scaling='delayed'); this function was made by "
@@ -141,7 +141,7 @@ def amp(
             )
         if hooks:
             # Not cached: the scale is an input of this call, often a tracer.
-            return _keep_returned(loss_scale, (args, kwargs), options.run(fn, args, kwargs, **hooks))
+            return keep_returned_state(loss_scale, (args, kwargs), options.run(fn, args, kwargs, **hooks))
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]
@@ -170,12 +170,3 @@ def _delayed_state(state: Any) -> Fp8State:
             f"fp8_state must be a jaxamp.fp8.Fp8State (from jaxamp.fp8.init_fp8_state), got {type(state).__name__}."
         )
     return state
-
-
-def _keep_returned(loss_scale: Any, inputs: Any, out: Any) -> Any:
-    """`out` with the module state it returns kept where the forward pass was not finite.
-
-    An ``eqx.nn.State`` taken and returned, and a Linen ``batch_stats`` tree
-    shaped like the one of the ``TrainState`` given as `loss_scale`.
-    """
-    return keep_returned_batch_stats(loss_scale, keep_returned_state(inputs, out))

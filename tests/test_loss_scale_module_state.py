@@ -2,9 +2,11 @@
 
 flax nnx modules passed to the amp'd loss: amp keeps the state the loss
 changed (BatchNorm statistics, RNG counts) as it was when the forward pass is
-not finite, and so is an ``eqx.nn.State`` the loss takes and returns. Other
-state a loss returns (Linen ``batch_stats``) is kept by one line after the
-update: ``select_tree(opt_state.last_finite, new, old)``.
+not finite, and so is state the loss takes and returns: an ``eqx.nn.State``,
+a dict of arrays with the signature of one it took (haiku's state, Linen
+statistics), a flax ``TrainState``'s ``batch_stats``. What amp cannot tell is
+state is kept by one line after the update:
+``select_tree(opt_state.last_finite, new, old)``.
 """
 
 import functools
@@ -16,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxamp
 
@@ -299,3 +303,139 @@ def test_nnx_statistics_of_a_clean_step_are_those_amp_computes_without_loss_scal
     for a, b in zip(_stats(scaled), _stats(plain)):
         assert a.dtype == np.float32
         np.testing.assert_array_equal(a, b)
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _check_kept_then_moved(step, carry, stats_of):
+    """A clean step, a NaN batch (skipped, statistics as they were), a clean step (they move)."""
+    carry = step(*carry, *_batch())
+    before = _leaves(stats_of(carry))
+    carry = step(*carry, *_batch(bad=True))
+    assert not bool(carry[-1].last_finite)
+    for b, a in zip(before, _leaves(stats_of(carry)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    carry = step(*carry, *_batch(shift=1.0))
+    assert bool(carry[-1].last_finite)
+    after = _leaves(stats_of(carry))
+    assert any(not np.array_equal(a, b) for b, a in zip(before, after)) and all(np.isfinite(a).all() for a in after)
+
+
+def _linen_net():
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=False)(nn.Dense(8)(x)))
+
+    return Net()
+
+
+def test_linen_batch_stats_taken_as_an_argument_and_returned_are_kept_automatically():
+    net = _linen_net()
+    variables = net.init(jax.random.PRNGKey(0), jnp.ones((4, D)))
+    optimizer = jaxamp.loss_scaling(optax.adam(1e-2))
+
+    def loss_fn(params, batch_stats, x, y):
+        out, updates = net.apply({"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"])
+        return jnp.mean((out - y) ** 2), updates["batch_stats"]
+
+    @jax.jit
+    def step(params, batch_stats, opt_state, x, y):  # the bf16 step with two lines changed
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        (_, batch_stats), grads = jax.value_and_grad(loss, has_aux=True)(params, batch_stats, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), batch_stats, opt_state
+
+    params = variables["params"]
+    _check_kept_then_moved(step, (params, variables["batch_stats"], optimizer.init(params)), lambda c: c[1])
+
+
+def test_linen_statistics_returned_from_the_variables_dict_are_kept_one_level_inside():
+    net = _linen_net()
+    variables = net.init(jax.random.PRNGKey(0), jnp.ones((4, D)))
+    optimizer = jaxamp.loss_scaling(optax.adam(1e-2))
+
+    def loss_fn(params, variables, x, y):
+        out, updates = net.apply({**variables, "params": params}, x, mutable=["batch_stats"])
+        return jnp.mean((out - y) ** 2), (updates, out)
+
+    @jax.jit
+    def step(variables, opt_state, x, y):
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        (_, (updates, _)), grads = jax.value_and_grad(loss, has_aux=True)(variables["params"], variables, x, y)
+        updates_p, opt_state = optimizer.update(grads, opt_state, variables["params"])
+        return {"params": optax.apply_updates(variables["params"], updates_p), **updates}, opt_state
+
+    _check_kept_then_moved(step, (variables, optimizer.init(variables["params"])), lambda c: c[0]["batch_stats"])
+
+
+def test_haiku_state_taken_and_returned_is_kept_automatically_and_other_outputs_come_back_as_computed():
+    hk = pytest.importorskip("haiku")
+
+    def forward(x):
+        return hk.Linear(1)(hk.BatchNorm(True, True, decay_rate=0.9)(hk.Linear(8)(x), is_training=True))
+
+    model = hk.without_apply_rng(hk.transform_with_state(forward))
+    params, state = model.init(jax.random.PRNGKey(0), jnp.ones((4, D)))
+    # haiku's moving averages count their updates in int32 beside the float statistics.
+    assert {np.dtype(x.dtype) for x in jax.tree_util.tree_leaves(state)} >= {np.dtype("int32"), np.dtype("float32")}
+    optimizer = jaxamp.loss_scaling(optax.adam(1e-2))
+    outs = []
+
+    def loss_fn(params, state, x, y):
+        out, state = model.apply(params, state, x)
+        return jnp.mean((out - y) ** 2), (state, {"out": out})
+
+    @jax.jit
+    def step(params, state, opt_state, x, y):  # the bf16 step with two lines changed
+        loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=opt_state)
+        (_, (state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params, state, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), state, opt_state, aux["out"]
+
+    def tracked(*args):
+        *carry, out = step(*args)
+        outs.append(np.asarray(out))
+        return tuple(carry)
+
+    _check_kept_then_moved(tracked, (params, state, optimizer.init(params)), lambda c: c[1])
+    assert np.isfinite(outs[0]).all() and not np.isfinite(outs[1]).all()  # the NaN batch's output, as computed
+
+
+def test_a_returned_dict_matching_two_different_arguments_is_not_guessed():
+    # Two statistics dicts of one signature: amp cannot tell which one the
+    # returned dict continues, so it hands back what the loss computed.
+    stats = {"mean": jnp.zeros(D)}
+
+    def loss_fn(w, a, b, x):
+        new = {"mean": 0.9 * a["mean"] + 0.1 * jnp.mean(x, axis=0)}
+        return jnp.mean((x @ w) ** 2) + 0.0 * jnp.sum(b["mean"]), new
+
+    x = _batch(bad=True)[0]
+    loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=8.0)
+    _, new = jax.grad(loss, has_aux=True)(jnp.ones((D, 1)), stats, {"mean": jnp.ones(D)}, x)
+    assert not np.isfinite(np.asarray(new["mean"])).all()
+    _, kept = jax.grad(loss, has_aux=True)(jnp.ones((D, 1)), stats, stats, x)  # the same dict twice: no doubt
+    np.testing.assert_array_equal(np.asarray(kept["mean"]), np.zeros(D))
+
+
+@settings(max_examples=12, deadline=None)
+@given(row=st.integers(0, 15), col=st.integers(0, D - 1), value=st.sampled_from([np.nan, np.inf, -np.inf, 2.5]))
+def test_returned_dict_state_is_kept_exactly_when_the_forward_pass_is_not_finite(row, col, value):
+    def loss_fn(w, stats, x):
+        new = {"mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(x, axis=0)}
+        return jnp.mean(jnp.tanh(x @ w)), new
+
+    stats = {"mean": jnp.arange(D, dtype=jnp.float32)}
+    x = _batch()[0].at[row, col].set(value)
+    _, new = jax.value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=1024.0), has_aux=True)(
+        jnp.ones((D, 2)) / D, stats, x
+    )[0]
+    # An inf reaches the statistics (not the loss: tanh saturates); either makes the forward pass not finite.
+    finite = bool(np.isfinite(np.asarray(x)).all())
+    expected = (0.9 * np.arange(D) + 0.1 * np.mean(np.asarray(x), axis=0)) if finite else np.arange(D)
+    np.testing.assert_allclose(np.asarray(new["mean"]), expected, rtol=1e-6)

@@ -28,7 +28,6 @@ from ._loss_scaling import LossScaleState, find_scaler_state
 
 __all__ = [
     "as_loss_scale",
-    "keep_returned_batch_stats",
     "keep_returned_state",
     "loss_scale_hooks",
     "scale_on_backward",
@@ -196,38 +195,6 @@ def _is_eqx_state(x: Any) -> bool:
     return isinstance(x, eqx.nn.State)
 
 
-def keep_returned_state(inputs: Any, out: Any) -> Any:
-    """`out`, its `equinox.nn.State` the one among `inputs` where the forward pass was not finite.
-
-    A loss over a stateful Equinox model takes the state and returns its new
-    value (``return loss, state``): a NaN batch would make that NaN, and the
-    script would commit it although the step is skipped. The state is
-    recognised by its type, so it is kept automatically when `inputs` hold
-    exactly one `eqx.nn.State` and each one `out` holds has its structure;
-    otherwise `out` is returned as it is (the caller keeps it with
-    ``select_tree(opt_state.last_finite, new, old)``). Decided by the forward
-    values on every device (`forward_finite`), as amp keeps flax nnx module
-    state.
-    """
-    returned = [x for x in jax.tree_util.tree_leaves(out, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
-    if not returned:
-        return out
-    given = [x for x in jax.tree_util.tree_leaves(inputs, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
-    if len(given) != 1:
-        return out
-    (old,) = given
-    structure = jax.tree_util.tree_structure(old)
-    finite = forward_finite(out)
-
-    def keep(x: Any) -> Any:
-        # (jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__.)
-        if _is_eqx_state(x) and jax.tree_util.tree_structure(x) == structure:  # type: ignore[operator]
-            return select_tree(finite, x, old)
-        return x
-
-    return jax.tree_util.tree_map(keep, out, is_leaf=_is_eqx_state)
-
-
 def _signature(tree: Any) -> list[tuple[tuple[str, ...], tuple[int, ...], Any]]:
     """Each leaf's key path (as names: a dict and a flax FrozenDict alike), shape and dtype."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -246,30 +213,97 @@ def batch_stats_of(given: Any) -> Any:
     return stats
 
 
-def keep_returned_batch_stats(given: Any, out: Any) -> Any:
-    """`out`, its trees shaped like `given`'s ``batch_stats`` replaced by them where the forward was not finite.
+def _is_array_mapping(x: Any) -> bool:
+    """A dict (or FrozenDict) of arrays, one of them at least floating: state a loss can thread."""
+    if not isinstance(x, Mapping):
+        return False
+    leaves = jax.tree_util.tree_leaves(x)
+    return (
+        bool(leaves)
+        and all(isinstance(v, (jax.Array, np.ndarray)) for v in leaves)
+        and any(map(is_inexact_leaf, leaves))
+    )
 
-    A Linen loss returns its new statistics (``apply(..., mutable=["batch_stats"])``)
-    and the script stores them in its ``TrainState``: given that state as
-    ``loss_scale=state``, amp recognises them by their key paths, shapes and
-    dtypes, so a NaN batch does not reach the statistics of a step the
-    optimizer skips. Decided on every device (`forward_finite`).
+
+def _mappings_taken(inputs: Any) -> list[Any]:
+    """The dicts of arrays among the loss's arguments, and those one level inside them.
+
+    haiku's ``state`` (``apply(params, state, rng, x)``), Linen statistics
+    passed alone, or in the ``variables`` dict whose ``"batch_stats"`` entry
+    ``apply(..., mutable=...)`` returns anew.
     """
-    old = batch_stats_of(given)
-    if old is None:
-        return out
-    signature = _signature(old)
-    matches = lambda x: isinstance(x, Mapping) and _signature(x) == signature  # noqa: E731
-    found = [x for x in jax.tree_util.tree_leaves(out, is_leaf=matches) if matches(x)]
-    if not found:
+    args, kwargs = inputs
+    found = []
+    for value in (*args, *kwargs.values()):
+        if _is_array_mapping(value):
+            found.append(value)
+            found.extend(v for v in value.values() if _is_array_mapping(v))
+    return found
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    return all(x is y for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _old_mappings(loss_scale: Any, inputs: Any) -> dict[Any, Any]:
+    """Each dict of arrays the loss was given, by signature; a signature two different dicts share is dropped."""
+    by_signature: dict[Any, Any] = {}
+    ambiguous = set()
+    stats = batch_stats_of(loss_scale)
+    for tree in ([stats] if stats is not None else []) + _mappings_taken(inputs):
+        key = repr(_signature(tree))
+        if key in by_signature and not _same_leaves(by_signature[key], tree):
+            ambiguous.add(key)
+        by_signature.setdefault(key, tree)
+    return {k: v for k, v in by_signature.items() if k not in ambiguous}
+
+
+def keep_returned_state(loss_scale: Any, inputs: Any, out: Any) -> Any:
+    """`out`, the module state it returns replaced by the state the loss was given where the forward was not finite.
+
+    A loss over stateful modules returns the new state beside the loss (``return
+    loss, state``): a NaN batch would make it NaN, and the script would commit
+    it although the step is skipped. Returned state is recognised, and the
+    given value handed back in its place:
+
+    - an `equinox.nn.State` of the structure of the one (exactly one) among
+      the loss's arguments;
+    - a dict (or FrozenDict) of arrays with the key paths, shapes and dtypes of
+      one the loss took as an argument, or one level inside one (haiku's
+      ``state``; Linen's statistics, from ``variables["batch_stats"]``), or of
+      the ``batch_stats`` of the flax ``TrainState`` given as `loss_scale`
+      (flax's ``examples/imagenet`` pattern). Two different dicts of one
+      signature among the arguments leave that signature unrecognised.
+
+    Everything else in `out` comes back as the loss computed it. Decided once,
+    by the forward values on every device (`forward_finite`), as amp keeps
+    flax nnx module state. A step skipped for an overflow of the backward pass
+    alone is not seen here: ``select_tree(opt_state.last_finite, new, old)``
+    keeps its state too.
+    """
+    eqx_given = [x for x in jax.tree_util.tree_leaves(inputs, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
+    eqx_old = eqx_given[0] if len(eqx_given) == 1 else None
+    mappings = _old_mappings(loss_scale, inputs)
+
+    def old_of(x: Any) -> Any:
+        if eqx_old is not None and _is_eqx_state(x):
+            # (jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__.)
+            same = jax.tree_util.tree_structure(x) == jax.tree_util.tree_structure(eqx_old)  # type: ignore[operator]
+            return eqx_old if same else None
+        if mappings and isinstance(x, Mapping):
+            old = mappings.get(repr(_signature(x)))
+            # The old values in `x`'s container (a dict where the state holds a FrozenDict).
+            return (
+                None
+                if old is None
+                else jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), jax.tree_util.tree_leaves(old))
+            )
+        return None
+
+    is_state = lambda x: old_of(x) is not None  # noqa: E731
+    if not any(map(is_state, jax.tree_util.tree_leaves(out, is_leaf=is_state))):
         return out
     finite = forward_finite(out)
-    old_leaves = jax.tree_util.tree_leaves(old)
-
-    def keep(x: Any) -> Any:
-        if not matches(x):
-            return x
-        # The old statistics in `x`'s container (a dict where the state holds a FrozenDict).
-        return select_tree(finite, x, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), old_leaves))
-
-    return jax.tree_util.tree_map(keep, out, is_leaf=matches)
+    return jax.tree_util.tree_map(
+        lambda x: select_tree(finite, x, old_of(x)) if is_state(x) else x, out, is_leaf=is_state
+    )
