@@ -439,3 +439,23 @@ def test_returned_dict_state_is_kept_exactly_when_the_forward_pass_is_not_finite
     finite = bool(np.isfinite(np.asarray(x)).all())
     expected = (0.9 * np.arange(D) + 0.1 * np.mean(np.asarray(x), axis=0)) if finite else np.arange(D)
     np.testing.assert_allclose(np.asarray(new["mean"]), expected, rtol=1e-6)
+
+
+def test_an_inf_the_loss_returns_by_design_beside_it_does_not_hold_the_state_back():
+    # Masked logits returned through has_aux hold -inf on every step; the loss
+    # is finite and the step is not skipped, so the statistics move.
+    model = _Net(nnx.Rngs(0, dropout=1))
+    stats = {"mean": jnp.zeros(D)}
+
+    def loss_fn(model, stats, x, y):
+        out = model(x)
+        masked = jnp.where(jnp.arange(16)[:, None] < 2, -jnp.inf, out)
+        new = {"mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(x, axis=0)}
+        return jnp.mean((out - y) ** 2), (masked, new)
+
+    before = _stats(model)
+    loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=64.0)
+    (value, (masked, new)), _ = nnx.value_and_grad(loss, has_aux=True)(model, stats, *_batch())
+    assert np.isfinite(float(value)) and np.isneginf(np.asarray(masked)).any()
+    assert not np.array_equal(np.asarray(new["mean"]), np.zeros(D))
+    assert all(not np.array_equal(a, b) for a, b in zip(_stats(model), before))

@@ -84,10 +84,10 @@ def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
     Returns:
         ``wrap_inputs`` (unscale each floating input's cotangent; first,
         `check_scale_is_live`), ``wrap_outputs`` (scale each floating
-        output's cotangent) and ``keep_state``: a step whose forward pass is
-        not finite will be skipped, so the nnx module state it computed
-        (batch statistics, RNG counts) is not committed either; decided once
-        for all devices (`forward_finite`).
+        output's cotangent) and ``keep_state``: a step whose loss (or the
+        state itself) is not finite will be skipped, so the nnx module state
+        it computed (batch statistics, RNG counts) is not committed either;
+        decided once for all devices (`forward_finite`, `loss_leaves`).
     """
     scale = as_loss_scale(loss_scale)
     from_state = not isinstance(loss_scale, (int, float, *_SCALE_ARRAYS))
@@ -100,7 +100,7 @@ def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
     return {
         "wrap_inputs": wrap_inputs,
         "wrap_outputs": lambda flat: wrap_floating(flat, scale, scale_on_backward),
-        "keep_state": lambda out, updates: forward_finite((out, updates)),
+        "keep_state": lambda out, updates: forward_finite((loss_leaves(out), updates)),
     }
 
 
@@ -141,6 +141,18 @@ def forward_finite(tree: Any) -> jax.Array:
     if manual and not _compat.tracks_varying_axes():
         return on_every_device(ok, tuple(manual), what="amp's loss_scale")
     return on_every_device(ok, what="amp's loss_scale")
+
+
+def loss_leaves(out: Any) -> list:
+    """The leaves of `out` whose non-finite value means the step will be skipped: its floating scalars.
+
+    The loss, and the scalars beside it. A non-scalar output returned through
+    ``has_aux`` (logits, predictions) may hold an inf by design (a mask), and
+    no gradient is taken of it; where `out` has no floating scalar, all of it.
+    """
+    leaves = [x for x in jax.tree_util.tree_leaves(out) if is_inexact_leaf(x)]
+    scalars = [x for x in leaves if jnp.ndim(x) == 0]
+    return scalars or leaves
 
 
 # A scale given as an array (a fixed or traced scale, not an optimizer state).
@@ -276,8 +288,8 @@ def keep_returned_state(loss_scale: Any, inputs: Any, out: Any) -> Any:
       signature among the arguments leave that signature unrecognised.
 
     Everything else in `out` comes back as the loss computed it. Decided once,
-    by the forward values on every device (`forward_finite`), as amp keeps
-    flax nnx module state. A step skipped for an overflow of the backward pass
+    on every device (`forward_finite`), by the loss and the returned state
+    (`loss_leaves`), as amp keeps flax nnx module state. A step skipped for an overflow of the backward pass
     alone is not seen here: ``select_tree(opt_state.last_finite, new, old)``
     keeps its state too.
     """
@@ -301,9 +313,10 @@ def keep_returned_state(loss_scale: Any, inputs: Any, out: Any) -> Any:
         return None
 
     is_state = lambda x: old_of(x) is not None  # noqa: E731
-    if not any(map(is_state, jax.tree_util.tree_leaves(out, is_leaf=is_state))):
+    returned = [x for x in jax.tree_util.tree_leaves(out, is_leaf=is_state) if is_state(x)]
+    if not returned:
         return out
-    finite = forward_finite(out)
+    finite = forward_finite((loss_leaves(out), returned))
     return jax.tree_util.tree_map(
         lambda x: select_tree(finite, x, old_of(x)) if is_state(x) else x, out, is_leaf=is_state
     )
