@@ -216,13 +216,7 @@ def _signature(tree: Any) -> list[tuple[tuple[str, ...], tuple[int, ...], Any]]:
 def batch_stats_of(given: Any) -> Any:
     """The ``batch_stats`` a flax ``TrainState`` (or a dict) given as amp's `loss_scale` holds, else None."""
     stats = given.get("batch_stats") if isinstance(given, Mapping) else getattr(given, "batch_stats", None)
-    if (
-        stats is None
-        or not jax.tree_util.tree_leaves(stats)
-        or not all(map(is_inexact_leaf, jax.tree_util.tree_leaves(stats)))
-    ):
-        return None
-    return stats
+    return stats if _is_array_mapping(stats) else None
 
 
 def _is_array_mapping(x: Any) -> bool:
@@ -289,9 +283,9 @@ def keep_returned_state(loss_scale: Any, inputs: Any, out: Any) -> Any:
 
     Everything else in `out` comes back as the loss computed it. Decided once,
     on every device (`forward_finite`), by the loss and the returned state
-    (`loss_leaves`), as amp keeps flax nnx module state. A step skipped for an overflow of the backward pass
-    alone is not seen here: ``select_tree(opt_state.last_finite, new, old)``
-    keeps its state too.
+    (`loss_leaves`), as amp keeps flax nnx module state. A step skipped for an
+    overflow of the backward pass alone is not seen here:
+    ``select_tree(opt_state.last_finite, new, old)`` keeps its state too.
     """
     eqx_given = [x for x in jax.tree_util.tree_leaves(inputs, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
     eqx_old = eqx_given[0] if len(eqx_given) == 1 else None
