@@ -427,3 +427,46 @@ def test_an_inf_the_loss_returns_by_design_beside_it_does_not_hold_the_state_bac
     assert np.isfinite(float(value)) and np.isneginf(np.asarray(masked)).any()
     assert not np.array_equal(np.asarray(new["mean"]), np.zeros(D))
     assert all(not np.array_equal(a, b) for a, b in zip(_stats(model), before))
+
+
+class _NormedLinear(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, n_in, n_out, key):
+        self.linear = eqx.nn.Linear(n_in, n_out, key=key)
+        self.norm = eqx.nn.BatchNorm(n_out, axis_name="batch", mode="ema")
+
+    def __call__(self, x, state):
+        return self.norm(self.linear(x), state)
+
+
+def _vmapped(model, x, state):
+    return jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+
+
+@pytest.mark.parametrize("same_shapes", [False, True], ids=["gan_like", "two_alike"])
+def test_two_equinox_states_are_each_kept_where_amp_can_tell_them_apart(same_shapes):
+    # A GAN's step runs the generator and the discriminator, each with its own
+    # eqx.nn.State: each returned state is matched to the given one by its
+    # structure, shapes and dtypes. Two states alike in all three cannot be
+    # told apart: both come back as computed (the select_tree line keeps them).
+    width = D if same_shapes else 4
+    first, first_state = eqx.nn.make_with_state(_NormedLinear)(D, width, jax.random.PRNGKey(0))
+    second, second_state = eqx.nn.make_with_state(_NormedLinear)(width, D, jax.random.PRNGKey(1))
+    if same_shapes:
+        second, second_state = eqx.nn.make_with_state(_NormedLinear)(D, D, jax.random.PRNGKey(1))
+
+    def loss_fn(first, second, first_state, second_state, x):
+        h, first_state = _vmapped(first, x, first_state)
+        out, second_state = _vmapped(second, h, second_state)
+        return jnp.mean(out**2), (first_state, second_state)
+
+    loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=16.0)
+    x = _batch(bad=True)[0]
+    (_, (new_first, new_second)), _ = eqx.filter_value_and_grad(loss, has_aux=True)(
+        first, second, first_state, second_state, x
+    )
+    for new, old in ((new_first, first_state), (new_second, second_state)):
+        kept = all(np.array_equal(a, b) for a, b in zip(_leaves(new), _leaves(old), strict=True))
+        assert kept is not same_shapes

@@ -251,16 +251,31 @@ def _same_leaves(a: Any, b: Any) -> bool:
     return all(x is y for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
-def _old_mappings(loss_scale: Any, inputs: Any) -> dict[Any, Any]:
-    """Each dict of arrays the loss was given, by signature; a signature two different dicts share is dropped."""
-    by_signature: dict[Any, Any] = {}
-    ambiguous = set()
+def _state_signature(x: Any) -> str | None:
+    """How returned state is matched to given state, or None where `x` is no state.
+
+    An `equinox.nn.State` by its structure, shapes and dtypes; a dict of arrays
+    by its key paths, shapes and dtypes.
+    """
+    if _is_eqx_state(x):
+        leaves = jax.tree_util.tree_leaves(x)
+        return f"{jax.tree_util.tree_structure(x)!r}{[(jnp.shape(v), jnp.result_type(v)) for v in leaves]!r}"
+    if _is_array_mapping(x):
+        return repr(_signature(x))
+    return None
+
+
+def _given_state(loss_scale: Any, inputs: Any) -> dict[str, Any]:
+    """The state the loss was given, by `_state_signature`; a signature two different trees share is dropped."""
+    eqx_states = [x for x in jax.tree_util.tree_leaves(inputs, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
     stats = batch_stats_of(loss_scale)
-    for tree in ([stats] if stats is not None else []) + _mappings_taken(inputs):
-        key = repr(_signature(tree))
+    by_signature: dict[str, Any] = {}
+    ambiguous = set()
+    for tree in eqx_states + ([stats] if stats is not None else []) + _mappings_taken(inputs):
+        key = _state_signature(tree)
         if key in by_signature and not _same_leaves(by_signature[key], tree):
             ambiguous.add(key)
-        by_signature.setdefault(key, tree)
+        by_signature.setdefault(key, tree)  # type: ignore[arg-type]
     return {k: v for k, v in by_signature.items() if k not in ambiguous}
 
 
@@ -272,39 +287,32 @@ def keep_returned_state(loss_scale: Any, inputs: Any, out: Any) -> Any:
     it although the step is skipped. Returned state is recognised, and the
     given value handed back in its place:
 
-    - an `equinox.nn.State` of the structure of the one (exactly one) among
-      the loss's arguments;
+    - an `equinox.nn.State` with the structure, shapes and dtypes of one among
+      the loss's arguments (a GAN's generator and discriminator states alike);
     - a dict (or FrozenDict) of arrays with the key paths, shapes and dtypes of
       one the loss took as an argument, or one level inside one (haiku's
       ``state``; Linen's statistics, from ``variables["batch_stats"]``), or of
       the ``batch_stats`` of the flax ``TrainState`` given as `loss_scale`
-      (flax's ``examples/imagenet`` pattern). Two different dicts of one
-      signature among the arguments leave that signature unrecognised.
+      (flax's ``examples/imagenet`` pattern).
 
-    Everything else in `out` comes back as the loss computed it. Decided once,
-    on every device (`forward_finite`), by the loss and the returned state
-    (`loss_leaves`), as amp keeps flax nnx module state. A step skipped for an
-    overflow of the backward pass alone is not seen here:
+    Two different given trees of one signature leave it unrecognised: amp
+    cannot tell which one a returned tree continues. Everything else in `out`
+    comes back as the loss computed it. Decided once, on every device
+    (`forward_finite`), by the loss and the returned state (`loss_leaves`), as
+    amp keeps flax nnx module state. A step skipped for an overflow of the
+    backward pass alone is not seen here:
     ``select_tree(opt_state.last_finite, new, old)`` keeps its state too.
     """
-    eqx_given = [x for x in jax.tree_util.tree_leaves(inputs, is_leaf=_is_eqx_state) if _is_eqx_state(x)]
-    eqx_old = eqx_given[0] if len(eqx_given) == 1 else None
-    mappings = _old_mappings(loss_scale, inputs)
+    given = _given_state(loss_scale, inputs)
 
     def old_of(x: Any) -> Any:
-        if eqx_old is not None and _is_eqx_state(x):
-            # (jaxlib ships no stubs: mypy cannot see PyTreeDef's __eq__.)
-            same = jax.tree_util.tree_structure(x) == jax.tree_util.tree_structure(eqx_old)  # type: ignore[operator]
-            return eqx_old if same else None
-        if mappings and isinstance(x, Mapping):
-            old = mappings.get(repr(_signature(x)))
-            # The old values in `x`'s container (a dict where the state holds a FrozenDict).
-            return (
-                None
-                if old is None
-                else jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), jax.tree_util.tree_leaves(old))
-            )
-        return None
+        if not given or not (_is_eqx_state(x) or isinstance(x, Mapping)):
+            return None
+        old = given.get(_state_signature(x))  # type: ignore[arg-type]
+        if old is None or _is_eqx_state(x):
+            return old
+        # The old values in `x`'s container (a dict where the state holds a FrozenDict).
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), jax.tree_util.tree_leaves(old))
 
     is_state = lambda x: old_of(x) is not None  # noqa: E731
     returned = [x for x in jax.tree_util.tree_leaves(out, is_leaf=is_state) if is_state(x)]
