@@ -201,6 +201,65 @@ def test_a_state_the_jitted_step_closes_over_is_an_error():
         np.testing.assert_allclose(eager, jitted, rtol=1e-3, atol=1e-6)  # op by op: float16 rounding apart
 
 
+def _tiny_loss(params, x, y):
+    # Gradients near 1e-9: float16 flushes them to zero unless the backward pass is scaled.
+    return _linear_loss(params, x, y) * 1e-7
+
+
+_GRADIENTS_OF_THE_AMPD_FUNCTION = {
+    "value_and_grad(amp(loss))": lambda amped: jax.value_and_grad(amped)(*_STEP_ARGS)[1],
+    "grad(jit(amp(loss)))": lambda amped: jax.grad(jax.jit(amped))(*_STEP_ARGS),
+    "grad of a scan over amp(loss)": lambda amped: jax.grad(
+        lambda p: jax.lax.scan(lambda c, _: (c + amped(p, *_STEP_ARGS[1:]), None), 0.0, None, length=2)[0]
+    )(_STEP_ARGS[0]),
+    "grad(checkpoint(amp(loss)))": lambda amped: jax.grad(jax.checkpoint(amped))(*_STEP_ARGS),
+    "eqx.filter_value_and_grad(amp(loss))": lambda amped: eqx.filter_value_and_grad(amped)(*_STEP_ARGS)[1],
+}
+_STEP_ARGS = (_params(), *_batch())
+
+
+# Eagerly, a jit, scan or checkpoint inside the step would close over the
+# concrete state: the frozen-scale error (test above), not this case.
+_FORMS = [(form, True) for form in _GRADIENTS_OF_THE_AMPD_FUNCTION] + [
+    ("value_and_grad(amp(loss))", False),
+    ("eqx.filter_value_and_grad(amp(loss))", False),
+]
+
+
+@pytest.mark.parametrize(("form", "jit"), _FORMS, ids=[f"{f}-{'jit' if j else 'eager'}" for f, j in _FORMS])
+def test_a_gradient_taken_of_the_amped_function_in_any_form_reaches_the_update_silently(form, jit, recwarn):
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+
+    def step(opt_state):
+        amped = jaxamp.amp(_tiny_loss, compute_dtype="f16", loss_scale=opt_state)
+        grads = _GRADIENTS_OF_THE_AMPD_FUNCTION[form](amped)
+        return grads, optimizer.update(grads, opt_state, _STEP_ARGS[0])
+
+    grads, _ = (jax.jit(step) if jit else step)(optimizer.init(_STEP_ARGS[0]))
+    assert not [w for w in recwarn if "no gradient was taken" in str(w.message)]
+    assert all(bool(jnp.any(g != 0)) for g in jax.tree_util.tree_leaves(grads))  # scaled: no flush to zero
+
+
+@pytest.mark.parametrize(
+    "inner_grad",
+    [jax.grad, eqx.filter_grad, lambda f: lambda *a: jax.value_and_grad(f)(*a)[1]],
+    ids=["jax.grad", "eqx.filter_grad", "value_and_grad"],
+)
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_amp_around_a_function_that_takes_its_own_gradient_is_said_at_the_update(inner_grad, jit):
+    # amp(grad(loss)): no gradient is taken of what amp made, so its scale
+    # reaches no backward pass, and the inner one runs unscaled in float16.
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+
+    def step(opt_state):
+        grads = jaxamp.amp(inner_grad(_tiny_loss), compute_dtype="f16", loss_scale=opt_state)(*_STEP_ARGS)
+        return grads, optimizer.update(grads, opt_state, _STEP_ARGS[0])
+
+    with pytest.warns(UserWarning, match=r"no gradient was taken of the function amp made.*Put amp inside"):
+        grads, _ = (jax.jit(step) if jit else step)(optimizer.init(_STEP_ARGS[0]))
+    assert any(bool(jnp.all(g == 0)) for g in jax.tree_util.tree_leaves(grads))  # what the message warns of
+
+
 def test_two_scales_in_the_state_are_an_error():
     two = optax.chain(jaxamp.loss_scaling(optax.sgd(0.1)), jaxamp.loss_scaling(optax.sgd(0.1))).init(_params())
     with pytest.raises(ValueError, match="holds 2 loss scales"):

@@ -13,6 +13,7 @@ non-finite where that pass overflowed, which `loss_scaling`'s update skips.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from .. import _compat
 from ._dynamic_scaler import DynamicScalerState
 from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, on_every_device, select_tree
 from ._loss_scaling import LossScaleState, find_scaler_state
+from ._scale_uses import ScaleUse, record_use
 
 __all__ = [
     "as_loss_scale",
@@ -73,6 +75,24 @@ def _unscale_bwd(scale, g):
 unscale_on_backward.defvjp(_scale_fwd, _unscale_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scale_and_mark(x: jax.Array, scale: jax.Array, use: ScaleUse) -> jax.Array:
+    """`scale_on_backward`, whose backward rule also marks `use` differentiated (`record_use`)."""
+    return x
+
+
+def _mark_fwd(x, scale, use):
+    return x, scale
+
+
+def _mark_bwd(use, scale, g):
+    use.differentiated = True
+    return _scale_bwd(scale, g)
+
+
+_scale_and_mark.defvjp(_mark_fwd, _mark_bwd)
+
+
 def wrap_floating(values: list, scale: jax.Array, wrap: Any) -> list:
     """`wrap(value, scale)` on each floating array of `values`; the rest as they are."""
     return [wrap(v, scale) if is_inexact_leaf(v) and not isinstance(v, (float, complex)) else v for v in values]
@@ -97,9 +117,14 @@ def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
             check_scale_is_live(scale)
         return wrap_floating(flat, scale, unscale_on_backward)
 
+    scale_outputs: Any = scale_on_backward
+    if from_state:
+        use = record_use(find_scaler_state(loss_scale).scaler)
+        scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
+
     return {
         "wrap_inputs": wrap_inputs,
-        "wrap_outputs": lambda flat: wrap_floating(flat, scale, scale_on_backward),
+        "wrap_outputs": lambda flat: wrap_floating(flat, scale, scale_outputs),
         "keep_state": lambda out, updates: forward_finite((loss_leaves(out), updates)),
     }
 

@@ -25,6 +25,7 @@ from .._dtypes import array_part
 from ._dynamic_scaler import DynamicScalerState, next_scaler_state
 from ._finite import AxisName, check_axis_name, select_tree
 from ._optax import check_optimizer, gradients_finite, update_if_finite
+from ._scale_uses import warn_if_never_differentiated
 
 __all__ = ["LossScaleState", "find_scaler_state", "loss_scaling"]
 
@@ -156,6 +157,7 @@ def loss_scaling(
             raise TypeError(
                 f"jaxamp.loss_scaling's update expects the LossScaleState its init made, got {type(state).__name__}."
             )
+        warn_if_never_differentiated(state.scaler_state.scaler)
         finite = gradients_finite(grads, axis_name, what="jaxamp.loss_scaling")
         if isinstance(state.inner_state, optax.MultiStepsState):
             return _accumulating_update(inner, state, finite, grads, params, **extra_args)
