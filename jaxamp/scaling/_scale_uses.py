@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+import weakref
 from typing import Any
 
 
@@ -25,7 +26,9 @@ class ScaleUse:
     __slots__ = ("scaler", "differentiated")
 
     def __init__(self, scaler: Any):
-        self.scaler = scaler  # held, so that its id is not reused while the record lives
+        # Weakly: a tracer kept past its trace is a leak (`jax.checking_leaks`);
+        # a dead one tells a reused id from the array recorded.
+        self.scaler = weakref.ref(scaler)
         self.differentiated = False
 
 
@@ -38,7 +41,7 @@ _KEPT = 64
 def record_use(scaler: Any) -> ScaleUse:
     """The record of `scaler` (the optimizer state's scale array), made on amp's first call with it."""
     use = _USES.get(id(scaler))
-    if use is None or use.scaler is not scaler:
+    if use is None or use.scaler() is not scaler:
         use = _USES[id(scaler)] = ScaleUse(scaler)
         while len(_USES) > _KEPT:
             _USES.popitem(last=False)
@@ -48,7 +51,7 @@ def record_use(scaler: Any) -> ScaleUse:
 def warn_if_never_differentiated(scaler: Any) -> None:
     """Warn where amp was given `scaler` and no gradient was taken of the function it made."""
     use = _USES.pop(id(scaler), None)
-    if use is None or use.scaler is not scaler or use.differentiated:
+    if use is None or use.scaler() is not scaler or use.differentiated:
         return
     warnings.warn(
         "jaxamp.loss_scaling's update reads a loss scale that jaxamp.amp was given (loss_scale=), but no "
