@@ -497,3 +497,32 @@ def test_in_shard_map_without_check_vma_the_wrapper_decides_over_its_axis_name()
     scales, finite = fn(params, optimizer.init(params), x, y)
     np.testing.assert_array_equal(np.asarray(scales), [2.0**14] * N)
     np.testing.assert_array_equal(np.asarray(finite), [False] * N)
+
+
+def test_under_nnx_optimizer_the_update_says_so_too(recwarn):
+    # nnx.Optimizer holds the scale in a Variable, and hands its update the value.
+    from flax import nnx
+
+    model = nnx.Linear(D, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, jaxamp.loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
+    x = _batch()[0]
+
+    def loss(model, x):
+        return jnp.mean(model(x) ** 2) * 1e-7
+
+    @nnx.jit
+    def inside(model, optimizer, x):
+        optimizer.update(
+            model, nnx.grad(jaxamp.amp(loss, compute_dtype="f16", loss_scale=optimizer.opt_state))(model, x)
+        )
+
+    @nnx.jit
+    def around(model, optimizer, x):
+        optimizer.update(
+            model, jaxamp.amp(nnx.grad(loss), compute_dtype="f16", loss_scale=optimizer.opt_state)(model, x)
+        )
+
+    inside(model, optimizer, x)
+    assert not [w for w in recwarn if "no gradient was taken" in str(w.message)]
+    with pytest.warns(UserWarning, match="no gradient was taken of the function amp made"):
+        around(model, optimizer, x)

@@ -119,7 +119,9 @@ def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
 
     scale_outputs: Any = scale_on_backward
     if from_state:
-        use = record_use(find_scaler_state(loss_scale).scaler)
+        scaler = find_scaler_state(loss_scale).scaler
+        # `nnx.Optimizer` holds it in a Variable; its update reads the value.
+        use = record_use(_compat.nnx_raw_value(scaler) if _compat.has_nnx_objects(scaler) else scaler)
         scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
 
     return {

@@ -32,6 +32,12 @@ class ScaleUse:
         self.differentiated = False
 
 
+class _Unrecorded:
+    pass
+
+
+_UNRECORDED = _Unrecorded()
+
 # The latest scales amp was given, by the id of the state's array: a scale
 # whose update is never called here (it runs in another trace) is dropped in turn.
 _USES: collections.OrderedDict[int, ScaleUse] = collections.OrderedDict()
@@ -42,7 +48,11 @@ def record_use(scaler: Any) -> ScaleUse:
     """The record of `scaler` (the optimizer state's scale array), made on amp's first call with it."""
     use = _USES.get(id(scaler))
     if use is None or use.scaler() is not scaler:
-        use = _USES[id(scaler)] = ScaleUse(scaler)
+        try:
+            use = ScaleUse(scaler)
+        except TypeError:  # no weak reference to it (a NumPy scalar): nothing to tell the update
+            return ScaleUse(_UNRECORDED)
+        _USES[id(scaler)] = use
         while len(_USES) > _KEPT:
             _USES.popitem(last=False)
     return use
