@@ -122,7 +122,8 @@ def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
         scaler = find_scaler_state(loss_scale).scaler
         # `nnx.Optimizer` holds it in a Variable; its update reads the value.
         use = record_use(_compat.nnx_raw_value(scaler) if _compat.has_nnx_objects(scaler) else scaler)
-        scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
+        if use is not None:
+            scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
 
     return {
         "wrap_inputs": wrap_inputs,

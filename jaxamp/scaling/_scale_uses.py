@@ -32,26 +32,23 @@ class ScaleUse:
         self.differentiated = False
 
 
-class _Unrecorded:
-    pass
-
-
-_UNRECORDED = _Unrecorded()
-
 # The latest scales amp was given, by the id of the state's array: a scale
 # whose update is never called here (it runs in another trace) is dropped in turn.
 _USES: collections.OrderedDict[int, ScaleUse] = collections.OrderedDict()
 _KEPT = 64
 
 
-def record_use(scaler: Any) -> ScaleUse:
-    """The record of `scaler` (the optimizer state's scale array), made on amp's first call with it."""
+def record_use(scaler: Any) -> ScaleUse | None:
+    """The record of `scaler` (the optimizer state's scale array), made on amp's first call with it.
+
+    None where `scaler` takes no weak reference (a NumPy scalar): nothing to tell the update.
+    """
     use = _USES.get(id(scaler))
     if use is None or use.scaler() is not scaler:
         try:
             use = ScaleUse(scaler)
-        except TypeError:  # no weak reference to it (a NumPy scalar): nothing to tell the update
-            return ScaleUse(_UNRECORDED)
+        except TypeError:
+            return None
         _USES[id(scaler)] = use
         while len(_USES) > _KEPT:
             _USES.popitem(last=False)
