@@ -10,7 +10,7 @@ from typing import Any
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
-from .scaling._in_grad import keep_returned_state, loss_scale_hooks
+from .scaling._in_grad import LossScaling
 
 __all__ = ["amp"]
 
@@ -74,22 +74,22 @@ def amp(
             that differentiates it (`jax.grad`, `equinox.filter_grad`,
             `nnx.grad`...) multiplies the output's cotangent by the scale,
             runs the half-precision backward pass on the scaled values, and
-            divides each input's cotangent by the scale in float32: the
-            gradients come back in their true scale and their own dtype,
-            non-finite where the scaled backward overflowed (the wrapper's
-            update then skips the step and shrinks the scale). The state
-            the function changes in flax nnx modules among its arguments
-            (BatchNorm statistics, RNG counts) is kept as it was when the
-            forward pass was not finite (its output or that state), and so
-            is an ``eqx.nn.State`` it takes and returns, and, where
-            `loss_scale` is a flax ``TrainState`` holding ``batch_stats``,
-            statistics it returns shaped like those (one decision for all
-            devices, under `pmap` too); other state a
-            function returns (Linen ``batch_stats``, haiku's state) is the
-            caller's to keep: ``jaxamp.select_tree(opt_state.last_finite,
-            new, old)`` after the update (docs/loss_scaling.md). Forward-mode
-            differentiation (`jax.jvp`, `jax.jacfwd`) is not supported with
-            it. The eager cache is not used.
+            divides the cotangent of everything the function differentiates
+            (its arguments, the values it closes over, the arrays of a module
+            passed as `fn`) by the scale in float32: the gradients come back
+            in their true scale and their own dtype, all NaN where the scaled
+            backward overflowed anywhere (the wrapper's update then skips the
+            step and shrinks the scale). custom_vjp rules inside see
+            true-scale cotangents; an amp inside this one scales nothing
+            more. Module state the function changes or returns is kept as
+            it was given when the forward pass (the loss, or that state) was
+            not finite: flax nnx modules among its arguments, ``eqx.nn.State``,
+            dicts of arrays by module (haiku's state, Linen statistics) of an
+            argument's signature, a ``TrainState``'s ``batch_stats``; one
+            decision for all devices. docs/loss_scaling.md lists what is
+            covered, the optimizer placements amp refuses, and the one
+            ``jaxamp.select_tree`` line for state it does not recognise.
+            The eager cache is not used.
 
     Returns:
         The mixed-precision function (or a decorator when `fn` is omitted).
@@ -101,10 +101,15 @@ def amp(
         TypeError: `fn` is not callable, `compute_dtype` is not a float16,
             bfloat16 or float32 dtype (nor fp8 mode), or `amp_policy` is malformed.
         ValueError: an unknown dtype name or policy string, a `policy`
-            whose compute dtype disagrees with `compute_dtype`, or (when
-            called) a `loss_scale` optimizer state that a jitted function
-            closes over instead of taking it as an argument: its scale would
-            be a constant of the compiled function.
+            whose compute dtype disagrees with `compute_dtype`, a
+            `loss_scale` state whose `loss_scaling` sits where a skipped
+            step would still commit state (a chain with transformations
+            after it, one partition of ``multi_transform``, inside
+            ``MultiSteps``), or (when called) a `loss_scale` optimizer state
+            that a jitted function closes over instead of taking it as an
+            argument: its scale would be a constant of the compiled function.
+        TypeError: (when called) forward-mode differentiation (`jax.jvp`,
+            `jax.jacfwd`, `jax.hessian`) of a function made with `loss_scale`.
     """
     settings = dict(
         compute_dtype=compute_dtype,
@@ -114,7 +119,7 @@ def amp(
     )
     options = AmpOptions.resolve(**settings)
     # Validated here, before the function: a bad scale is named at once.
-    hooks = {} if loss_scale is None else loss_scale_hooks(loss_scale)
+    scaling = None if loss_scale is None else LossScaling(loss_scale)
     if fn is None:
         return functools.partial(amp, **settings, loss_scale=loss_scale)
     if not callable(fn):
@@ -131,17 +136,17 @@ def amp(
         if delayed:
             state = _delayed_state(kwargs.pop("fp8_state", None))
             # Not cached eagerly: the histories are inputs of this call only.
-            out = options.run(fn, args, kwargs, site_state=state.site_state(), **hooks)
-            return keep_returned_state(loss_scale, (args, kwargs), out) if hooks else out
+            run = functools.partial(options.run, fn, args, kwargs, site_state=state.site_state())
+            return run() if scaling is None else scaling.run(run, (args, kwargs))
         if "fp8_state" in kwargs and not _takes_keyword(fn, "fp8_state"):
             raise TypeError(
                 "fp8_state= is the amax histories of Fp8Recipe(scaling='delayed'); this function was made by "
                 f"jaxamp.amp with {options.fp8 or options.compute_dtype.name!r}, which keeps no state. Pass "
                 "compute_dtype=jaxamp.fp8.Fp8Recipe(scaling='delayed') to amp, or drop fp8_state."
             )
-        if hooks:
+        if scaling is not None:
             # Not cached: the scale is an input of this call, often a tracer.
-            return keep_returned_state(loss_scale, (args, kwargs), options.run(fn, args, kwargs, **hooks))
+            return scaling.run(functools.partial(options.run, fn, args, kwargs), (args, kwargs))
         return cache.call(options, fn, args, kwargs)
 
     amp_fn.eager_cache = cache  # type: ignore[attr-defined]

@@ -79,9 +79,10 @@ class AmpOptions:
         observer=None,
         inline=False,
         site_state=None,
-        wrap_inputs: Callable[[list], list] | None = None,
+        wrap_inputs: Callable[[list, list], tuple[list, list]] | None = None,
         wrap_outputs: Callable[[list], list] | None = None,
         keep_state: Callable[[Any, list], Any] | None = None,
+        around_custom_vjp: Any = None,
     ) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp.
 
@@ -90,9 +91,10 @@ class AmpOptions:
         recipe makes zeros (its first step), as the diagnostics run it.
 
         `wrap_inputs` / `wrap_outputs`: applied to the program's flat inputs
-        (the array leaves of the arguments, or of nnx objects' state) before
-        it runs, and to `fn`'s own flat outputs after (not to the nnx state it
-        writes back); each returns a list of the same values. Loss scaling
+        (the array leaves of the arguments, or of nnx objects' state) and the
+        values it closes over (``wrap_inputs(args, consts) -> (args, consts)``)
+        before it runs, and to `fn`'s own flat outputs after (not to the nnx
+        state it writes back); each returns the same values. Loss scaling
         inside `jax.grad` puts its identities with a scaling backward there
         (`amp`'s ``loss_scale``): outside the rewritten program, so amp's
         rules never see them.
@@ -101,12 +103,17 @@ class AmpOptions:
         is false, the state `fn` changed in flax nnx objects among its
         arguments is written back as it was before the call (loss scaling
         commits no module state from a non-finite forward pass).
+
+        `around_custom_vjp`: see `AmpContext.around_custom_vjp`.
         """
         with _collection_paused():
             closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs, keep_state)
             if wrap_inputs is not None:
-                flat_args = wrap_inputs(list(flat_args))
+                flat_args, consts = wrap_inputs(list(flat_args), list(closed.consts))
+                closed = _compat.ClosedJaxpr(closed.jaxpr, consts)
             ctx = self._context(observer=observer, inline=inline)
+            if around_custom_vjp is not None:
+                ctx = dataclasses.replace(ctx, around_custom_vjp=around_custom_vjp)
             # Re-emitted straight into the caller's trace (grad, vmap, an outer
             # jit), like the user's own code: calls keep their jaxprs (see
             # `_compat.trace_keeping_calls`), so JAX differentiates each

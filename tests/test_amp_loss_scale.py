@@ -135,7 +135,6 @@ def test_every_form_of_loss_scale_gives_the_same_gradients():
         2.0**9,
         jnp.float32(2.0**9),
         jnp.bfloat16(2.0**9),
-        optax.MultiSteps(jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**9), 2).init(params),
         jaxamp.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2), scaler=2.0**9).init(params),
         optax.inject_hyperparams(lambda learning_rate: jaxamp.loss_scaling(optax.sgd(learning_rate), scaler=2.0**9))(
             learning_rate=0.1

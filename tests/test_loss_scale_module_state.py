@@ -376,18 +376,18 @@ def test_haiku_state_taken_and_returned_is_kept_automatically_and_other_outputs_
 def test_a_returned_dict_matching_two_different_arguments_is_not_guessed():
     # Two statistics dicts of one signature: amp cannot tell which one the
     # returned dict continues, so it hands back what the loss computed.
-    stats = {"mean": jnp.zeros(D)}
+    stats = {"bn": {"mean": jnp.zeros(D)}}
 
     def loss_fn(w, a, b, x):
-        new = {"mean": 0.9 * a["mean"] + 0.1 * jnp.mean(x, axis=0)}
-        return jnp.mean((x @ w) ** 2) + 0.0 * jnp.sum(b["mean"]), new
+        new = {"bn": {"mean": 0.9 * a["bn"]["mean"] + 0.1 * jnp.mean(x, axis=0)}}
+        return jnp.mean((x @ w) ** 2) + 0.0 * jnp.sum(b["bn"]["mean"]), new
 
     x = _batch(bad=True)[0]
     loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=8.0)
-    _, new = jax.grad(loss, has_aux=True)(jnp.ones((D, 1)), stats, {"mean": jnp.ones(D)}, x)
-    assert not np.isfinite(np.asarray(new["mean"])).all()
+    _, new = jax.grad(loss, has_aux=True)(jnp.ones((D, 1)), stats, {"bn": {"mean": jnp.ones(D)}}, x)
+    assert not np.isfinite(np.asarray(new["bn"]["mean"])).all()
     _, kept = jax.grad(loss, has_aux=True)(jnp.ones((D, 1)), stats, stats, x)  # the same dict twice: no doubt
-    np.testing.assert_array_equal(np.asarray(kept["mean"]), np.zeros(D))
+    np.testing.assert_array_equal(np.asarray(kept["bn"]["mean"]), np.zeros(D))
 
 
 @pytest.mark.newest_only
@@ -395,10 +395,10 @@ def test_a_returned_dict_matching_two_different_arguments_is_not_guessed():
 @given(row=st.integers(0, 15), col=st.integers(0, D - 1), value=st.sampled_from([np.nan, np.inf, -np.inf, 2.5]))
 def test_returned_dict_state_is_kept_exactly_when_the_forward_pass_is_not_finite(row, col, value):
     def loss_fn(w, stats, x):
-        new = {"mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(x, axis=0)}
+        new = {"bn": {"mean": 0.9 * stats["bn"]["mean"] + 0.1 * jnp.mean(x, axis=0)}}
         return jnp.mean(jnp.tanh(x @ w)), new
 
-    stats = {"mean": jnp.arange(D, dtype=jnp.float32)}
+    stats = {"bn": {"mean": jnp.arange(D, dtype=jnp.float32)}}
     x = _batch()[0].at[row, col].set(value)
     _, new = jax.value_and_grad(jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=1024.0), has_aux=True)(
         jnp.ones((D, 2)) / D, stats, x
@@ -406,26 +406,26 @@ def test_returned_dict_state_is_kept_exactly_when_the_forward_pass_is_not_finite
     # An inf reaches the statistics (not the loss: tanh saturates); either makes the forward pass not finite.
     finite = bool(np.isfinite(np.asarray(x)).all())
     expected = (0.9 * np.arange(D) + 0.1 * np.mean(np.asarray(x), axis=0)) if finite else np.arange(D)
-    np.testing.assert_allclose(np.asarray(new["mean"]), expected, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(new["bn"]["mean"]), expected, rtol=1e-6)
 
 
 def test_an_inf_the_loss_returns_by_design_beside_it_does_not_hold_the_state_back():
     # Masked logits returned through has_aux hold -inf on every step; the loss
     # is finite and the step is not skipped, so the statistics move.
     model = _Net(nnx.Rngs(0, dropout=1))
-    stats = {"mean": jnp.zeros(D)}
+    stats = {"bn": {"mean": jnp.zeros(D)}}
 
     def loss_fn(model, stats, x, y):
         out = model(x)
         masked = jnp.where(jnp.arange(16)[:, None] < 2, -jnp.inf, out)
-        new = {"mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(x, axis=0)}
+        new = {"bn": {"mean": 0.9 * stats["bn"]["mean"] + 0.1 * jnp.mean(x, axis=0)}}
         return jnp.mean((out - y) ** 2), (masked, new)
 
     before = _stats(model)
     loss = jaxamp.amp(loss_fn, compute_dtype="f16", loss_scale=64.0)
     (value, (masked, new)), _ = nnx.value_and_grad(loss, has_aux=True)(model, stats, *_batch())
     assert np.isfinite(float(value)) and np.isneginf(np.asarray(masked)).any()
-    assert not np.array_equal(np.asarray(new["mean"]), np.zeros(D))
+    assert not np.array_equal(np.asarray(new["bn"]["mean"]), np.zeros(D))
     assert all(not np.array_equal(a, b) for a, b in zip(_stats(model), before))
 
 

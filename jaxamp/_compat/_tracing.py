@@ -27,6 +27,7 @@ from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info
 from jax._src.ad_util import SymbolicZero, Zero
 from jax._src.custom_derivatives import linear_call_p  # (not part of jax.extend)
+from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters.ad import CustomVJPException
 from jax._src.state.types import AbstractRef as _AbstractRef
@@ -84,6 +85,8 @@ __all__ = [
     "shard_map_mesh_axes",
     "shard_map_p",
     "staging",
+    "compiling",
+    "forward_mode",
     "tangent_aval",
     "trace_keeping_calls",
     "trace_to_closed_jaxpr",
@@ -209,6 +212,53 @@ def staging() -> bool:
         trace = _core.trace_ctx.trace
         while trace is not None:
             if isinstance(trace, _pe.DynamicJaxprTrace):
+                return True
+            trace = getattr(trace, "parent_trace", None)
+        return False
+    except _DRIFT_ERRORS:  # pragma: no cover - future JAX
+        return False
+
+
+# Staging traces whose programs are control flow or remat inside the caller's
+# computation (`DebugInfo.traced_for`), not a compiled function of its own.
+_CONTROL_FLOW_TRACES = frozenset({"scan", "checkpoint / remat", "cond", "while_body", "while_cond", "switch"})
+
+
+def compiling() -> bool:
+    """Whether the caller runs inside a function JAX compiles and caches as a whole (`jax.jit`, `pmap`...).
+
+    `staging`, less the bodies of `lax.scan`, `lax.cond`, `lax.while_loop`
+    and `jax.checkpoint` called eagerly: those run as they are traced, while
+    a jit'd function's constants are kept for its later calls. True wherever
+    the kind of trace cannot be read.
+    """
+    try:
+        trace = _core.trace_ctx.trace
+        while trace is not None:
+            if isinstance(trace, _pe.DynamicJaxprTrace):
+                kind = getattr(getattr(trace.frame, "debug_info", None), "traced_for", None)
+                if kind not in _CONTROL_FLOW_TRACES:
+                    return True
+            trace = getattr(trace, "parent_trace", None)
+        return False
+    except _DRIFT_ERRORS:  # pragma: no cover - future JAX
+        return staging()
+
+
+def forward_mode() -> bool:
+    """Whether the caller runs under forward-mode differentiation (`jax.jvp`, `jacfwd`, `hessian`).
+
+    Reverse mode (`jax.grad`, `jax.vjp`) linearizes with its own trace, so a
+    JVP trace around the caller is forward mode. False where reverse mode
+    still runs on JVP traces (``jax_use_direct_linearize`` off) or the traces
+    cannot be read.
+    """
+    if not getattr(jax.config, "jax_use_direct_linearize", True):
+        return False
+    try:
+        trace = _core.trace_ctx.trace
+        while trace is not None:
+            if isinstance(trace, _ad.JVPTrace):
                 return True
             trace = getattr(trace, "parent_trace", None)
         return False
@@ -684,8 +734,6 @@ def matmul_cotangents(
     With ``only="lhs"`` (``"rhs"``) the other cotangent is not computed: None,
     and the side computed may be given as its abstract value alone.
     """
-    from jax._src.interpreters import ad as _ad
-
     rule = _ad.primitive_transposes[primitive]
 
     def undefined(x: Any) -> Any:

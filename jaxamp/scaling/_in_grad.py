@@ -13,26 +13,30 @@ non-finite where that pass overflowed, which `loss_scaling`'s update skips.
 
 from __future__ import annotations
 
+import contextvars
 import functools
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from .. import _compat
 from ._dynamic_scaler import DynamicScalerState
 from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, on_every_device, select_tree
-from ._loss_scaling import LossScaleState, find_scaler_state
+from ._loss_scaling import LossScaleState, find_scaler_state, is_scale_state
 from ._scale_uses import ScaleUse, record_use
 
 __all__ = [
+    "LossScaling",
     "as_loss_scale",
     "keep_returned_state",
-    "loss_scale_hooks",
     "scale_on_backward",
+    "unscale_all_on_backward",
     "unscale_on_backward",
 ]
 
@@ -93,43 +97,221 @@ def _mark_bwd(use, scale, g):
 _scale_and_mark.defvjp(_mark_fwd, _mark_bwd)
 
 
-def wrap_floating(values: list, scale: jax.Array, wrap: Any) -> list:
-    """`wrap(value, scale)` on each floating array of `values`; the rest as they are."""
-    return [wrap(v, scale) if is_inexact_leaf(v) and not isinstance(v, (float, complex)) else v for v in values]
+@jax.custom_vjp
+def unscale_all_on_backward(values: list, scale: jax.Array) -> list:
+    """`values`, whose cotangents are divided by `scale`, all NaN where any is not finite.
 
-
-def loss_scale_hooks(loss_scale: Any) -> dict[str, Any]:
-    """What `amp` hands `AmpOptions.run` for ``loss_scale=`` (validated by `as_loss_scale`).
-
-    Returns:
-        ``wrap_inputs`` (unscale each floating input's cotangent; first,
-        `check_scale_is_live`), ``wrap_outputs`` (scale each floating
-        output's cotangent) and ``keep_state``: a step whose loss (or the
-        state itself) is not finite will be skipped, so the nnx module state
-        it computed (batch statistics, RNG counts) is not committed either;
-        decided once for all devices (`forward_finite`, `loss_leaves`).
+    The one place the gradients leave the scaled backward pass: what the
+    program differentiated reaches (its arguments, the values it closes
+    over) gets true-scale cotangents, decided finite or not once, for all
+    of them. A non-finite step's gradients are NaN throughout, so an
+    elementwise clip or cast between amp and the optimizer (``jnp.clip``
+    turns an inf into its bound) cannot hide the overflow from the update.
     """
-    scale = as_loss_scale(loss_scale)
-    from_state = not isinstance(loss_scale, (int, float, *_SCALE_ARRAYS))
+    return values
 
-    def wrap_inputs(flat: list) -> list:
-        if from_state:
+
+def _unscale_all_fwd(values, scale):
+    return values, scale
+
+
+def _unscale_all_bwd(scale, cts):
+    # One decision for every device: inside a shard_map the cotangents of
+    # replicated values must stay replicated, and every device skips alike.
+    finite = forward_finite(cts)
+    unscaled = []
+    for g in cts:
+        wide = _wide(g.dtype)
+        true_scale = (g.astype(wide) / scale.astype(wide)).astype(g.dtype)
+        unscaled.append(jnp.where(finite, true_scale, jnp.full_like(true_scale, jnp.nan)))
+    return unscaled, jnp.zeros_like(scale)
+
+
+unscale_all_on_backward.defvjp(_unscale_all_fwd, _unscale_all_bwd)
+
+
+def _is_scalable(x: Any) -> bool:
+    return is_inexact_leaf(x) and not isinstance(x, (float, complex))
+
+
+_SCALING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_loss_scaling", default=False)
+
+
+class LossScaling:
+    """amp's ``loss_scale=``: validated when amp is made, applied to each call by `run`.
+
+    The scale's one way through a call: find it in what amp was given (and
+    refuse an optimizer placement whose skipped step would commit state),
+    wrap everything the program differentiates, its arguments and the values
+    it closes over, in one identity whose backward unscales and decides
+    finiteness once (`unscale_all_on_backward`), scale the outputs'
+    cotangents (`scale_on_backward`), hand custom_vjp rules true-scale
+    cotangents (`around_custom_vjp`), and keep module state where the forward
+    pass was not finite (`keep_returned_state`).
+    """
+
+    def __init__(self, loss_scale: Any):
+        as_loss_scale(loss_scale)  # a bad value is named when amp is made
+        self.given = loss_scale
+        self.from_state = not isinstance(loss_scale, (int, float, *_SCALE_ARRAYS))
+        if self.from_state:
+            check_placement(loss_scale)
+
+    def run(self, call: Callable[..., Any], inputs: Any) -> Any:
+        """``call(**hooks)`` (`AmpOptions.run`'s keywords) with the scale applied; its output, state kept.
+
+        Inside another amp call that scales, `call()` runs unscaled: the outer
+        amp scales the cotangent once, where it enters the backward pass.
+        """
+        if _SCALING.get():
+            return call()
+        if _compat.forward_mode():
+            raise TypeError(
+                "jaxamp.amp(..., loss_scale=...) is differentiated in forward mode here (jax.jvp, "
+                "jax.jacfwd, jax.hessian): loss scaling scales a backward pass, and forward mode has "
+                "none. Take forward-mode derivatives of amp without loss_scale (bfloat16 needs none), "
+                "or use reverse mode (jax.grad, jax.jacrev)."
+            )
+        scale = as_loss_scale(self.given)
+        scale_outputs: Any = scale_on_backward
+        if self.from_state:
             check_scale_is_live(scale)
-        return wrap_floating(flat, scale, unscale_on_backward)
+            scaler = find_scaler_state(self.given).scaler
+            # `nnx.Optimizer` holds it in a Variable; its update reads the value.
+            use = record_use(_compat.nnx_raw_value(scaler) if _compat.has_nnx_objects(scaler) else scaler)
+            if use is not None:
+                scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
 
-    scale_outputs: Any = scale_on_backward
-    if from_state:
-        scaler = find_scaler_state(loss_scale).scaler
-        # `nnx.Optimizer` holds it in a Variable; its update reads the value.
-        use = record_use(_compat.nnx_raw_value(scaler) if _compat.has_nnx_objects(scaler) else scaler)
-        if use is not None:
-            scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
+        def wrap_inputs(args: list, consts: list) -> tuple[list, list]:
+            # Closed-over values are tracers where a gradient is taken of them
+            # (a closure's parameters, an Equinox module passed as the function).
+            chosen = [
+                (i, v)
+                for i, v in enumerate([*args, *consts])
+                if _is_scalable(v) and (i < len(args) or isinstance(v, jax.core.Tracer))
+            ]
+            values = [*args, *consts]
+            for (i, _), wrapped in zip(chosen, unscale_all_on_backward([v for _, v in chosen], scale)):
+                values[i] = wrapped
+            return values[: len(args)], values[len(args) :]
 
-    return {
-        "wrap_inputs": wrap_inputs,
-        "wrap_outputs": lambda flat: wrap_floating(flat, scale, scale_outputs),
-        "keep_state": lambda out, updates: forward_finite((loss_leaves(out), updates)),
-    }
+        hooks = {
+            "wrap_inputs": wrap_inputs,
+            "wrap_outputs": lambda flat: [scale_outputs(v, scale) if _is_scalable(v) else v for v in flat],
+            "keep_state": lambda out, updates: forward_finite((loss_leaves(out), updates)),
+            "around_custom_vjp": _CustomVJPScaling(scale),
+        }
+        token = _SCALING.set(True)
+        try:
+            out = call(**hooks)
+        finally:
+            _SCALING.reset(token)
+        return keep_returned_state(self.given, inputs, out)
+
+
+class _CustomVJPScaling:
+    """`AmpContext.around_custom_vjp` for a scaled call: each rule sees true-scale cotangents.
+
+    Around the rule's call, its outputs' cotangents are divided by the scale
+    before the rule runs and its inputs' multiplied by it after, so a rule
+    that is not linear in its cotangent (JAX's ``clip_gradient``) acts on the
+    true values, while the backward pass around it stays scaled. A rule whose
+    outputs are float16 is left as written (its cotangent unscaled in float16
+    would flush), and so is one amp cannot reach; amp says so once.
+    """
+
+    def __init__(self, scale: jax.Array):
+        self.scale = scale
+        self.calls = 0
+
+    def __call__(self, eqn: Any, invals: list, call: Callable[[list], Any]) -> Any:
+        if any(v.aval.dtype == jnp.float16 for v in eqn.outvars):
+            _warn_unscaled_rule("a custom_vjp function whose outputs are float16")
+            return call(invals)
+        self.calls += 1
+        ins = [scale_on_backward(v, self.scale) if _is_scalable(v) else v for v in invals]
+        return [unscale_on_backward(o, self.scale) if _is_scalable(o) else o for o in call(ins)]
+
+    def unreachable(self, where: str) -> Callable[[Any, list, Callable[[list], Any]], Any]:
+        def around(eqn: Any, invals: list, call: Callable[[list], Any]) -> Any:
+            _warn_unscaled_rule(f"a custom_vjp function inside {where}")
+            return call(invals)
+
+        around.calls = 0  # type: ignore[attr-defined]
+        around.unreachable = self.unreachable  # type: ignore[attr-defined]
+        return around
+
+
+def _warn_unscaled_rule(what: str) -> None:
+    warnings.warn(
+        f"jaxamp.amp(..., loss_scale=...) meets {what}: its backward rule sees the loss-scaled "
+        "cotangent. That is exact for rules linear in the cotangent (most are), not for one that "
+        "clips or normalises it (jax's clip_gradient pattern).",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def check_placement(tree: Any) -> None:
+    """Raise where the `LossScaleState` in `tree` sits where a skipped step would still commit state.
+
+    Its zero updates and kept state make a skipped step a no-op only where
+    the wrapper owns the whole update: transformations after it in an
+    ``optax.chain`` (weight decay, another optimizer) would still step, a
+    stateful one before it would advance, the other partitions of
+    ``optax.multi_transform`` or ``optax.masked`` would take the NaN
+    gradients, and ``optax.MultiSteps`` around it keeps a NaN in its
+    accumulator (it resets it by multiplying by 0) for every later step.
+
+    Raises:
+        ValueError: naming the placement and the order that works.
+    """
+    paths = [
+        path
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scale_state)[0]
+        if is_scale_state(leaf)
+    ]
+    if len(paths) != 1:
+        return  # `find_scaler_state` says what is wrong
+    node = tree
+    for key in paths[0]:
+        problem = _placement_problem(node, key)
+        if problem:
+            raise ValueError(
+                f"amp's loss_scale holds jaxamp.loss_scaling's state {problem}, so a skipped "
+                "(non-finite) step would still change the parameters or the optimizer state. Wrap "
+                "the whole optimizer instead: jaxamp.loss_scaling(optax.chain(...)), "
+                "jaxamp.loss_scaling(optax.multi_transform(...)), "
+                "jaxamp.loss_scaling(optax.MultiSteps(opt, k)) (docs/loss_scaling.md, placements)."
+            )
+        node = _child(node, key)
+        if node is None:
+            return
+
+
+def _placement_problem(node: Any, key: Any) -> str | None:
+    if isinstance(node, optax.MultiStepsState) and getattr(key, "name", None) == "inner_opt_state":
+        return "inside optax.MultiSteps (whose accumulator keeps a NaN micro-batch for every later step)"
+    if isinstance(node, optax.MultiTransformState):
+        return "in one partition of optax.multi_transform (the others would take the non-finite gradients)"
+    if isinstance(node, optax.MaskedState):
+        return "inside optax.masked (the parameters it leaves out would take the non-finite gradients)"
+    if type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey):
+        if key.idx + 1 < len(node):
+            return "inside an optax.chain with transformations after it (they would still step)"
+        if any(jax.tree_util.tree_leaves(sibling) for sibling in node[: key.idx]):
+            return "inside an optax.chain after a stateful transformation (its state would advance)"
+    return None
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    return None  # a custom node's child: not followed
 
 
 def check_scale_is_live(scale: jax.Array) -> None:
@@ -138,13 +320,15 @@ def check_scale_is_live(scale: jax.Array) -> None:
     A state the jitted function closes over (or that `amp` was given outside
     it) is read once, when the function is traced: every later step would run
     with that scale while `loss_scaling` moves the one in the state, and a
-    step that overflowed at it would overflow again, skipped, forever.
+    step that overflowed at it would overflow again, skipped, forever. The
+    bodies of a `lax.scan` or `jax.checkpoint` called eagerly are no such
+    program: there the state's current scale is read.
 
     Raises:
         ValueError: `scale` is a concrete array and the caller runs inside
-            `jax.jit` (or another staging transformation).
+            `jax.jit` (or another compiled function).
     """
-    if not isinstance(scale, jax.core.Tracer) and _compat.staging():
+    if not isinstance(scale, jax.core.Tracer) and _compat.compiling():
         raise ValueError(
             "amp's loss_scale is an optimizer state the function being compiled does not take as an "
             "argument (it closes over it, or amp was given it outside): its scale would be a constant "
@@ -156,7 +340,7 @@ def check_scale_is_live(scale: jax.Array) -> None:
 
 
 def forward_finite(tree: Any) -> jax.Array:
-    """Whether every inexact leaf of `tree` is finite on every device this runs on.
+    """Whether every inexact leaf of `tree` is finite on every device this runs on (forward or backward).
 
     Inside `jax.pmap` or a ``shard_map(check_vma=False)`` each device sees its
     own batch: the answer is reduced over all their mesh axes, so a NaN on one
@@ -172,12 +356,17 @@ def forward_finite(tree: Any) -> jax.Array:
 
 
 def loss_leaves(out: Any) -> list:
-    """The leaves of `out` whose non-finite value means the step will be skipped: its floating scalars.
+    """The leaves of `out` whose non-finite value means the step will be skipped: the loss.
 
-    The loss, and the scalars beside it. A non-scalar output returned through
-    ``has_aux`` (logits, predictions) may hold an inf by design (a mask), and
-    no gradient is taken of it; where `out` has no floating scalar, all of it.
+    The first element of a tuple whose first element is a floating scalar
+    (``return loss, aux``, as ``has_aux`` takes it): a NaN metric beside it
+    (the accuracy of an empty batch) does not hold back the state of a step
+    that is applied. Otherwise the floating scalars of `out`: a non-scalar
+    output (logits, predictions) may hold an inf by design (a mask), and no
+    gradient is taken of it; where `out` has no floating scalar, all of it.
     """
+    if isinstance(out, (tuple, list)) and out and is_inexact_leaf(out[0]) and jnp.ndim(out[0]) == 0:
+        return [out[0]]
     leaves = [x for x in jax.tree_util.tree_leaves(out) if is_inexact_leaf(x)]
     scalars = [x for x in leaves if jnp.ndim(x) == 0]
     return scalars or leaves
@@ -248,14 +437,20 @@ def batch_stats_of(given: Any) -> Any:
 
 
 def _is_array_mapping(x: Any) -> bool:
-    """A dict (or FrozenDict) of arrays, one of them at least floating: state a loss can thread."""
+    """Module state a loss can thread: a dict (or FrozenDict) of arrays, one at least floating, by module.
+
+    Its arrays sit two levels down or more, under the names of the modules
+    that own them (haiku's ``{"mlp/~/batch_norm": {"mean_ema": ...}}``,
+    Linen's ``{"BatchNorm_0": {"mean": ...}}``); a flat dict of arrays is a
+    batch or a result (``{"image": x}``), never taken for state.
+    """
     if not isinstance(x, Mapping):
         return False
-    leaves = jax.tree_util.tree_leaves(x)
+    leaves = jax.tree_util.tree_flatten_with_path(x)[0]
     return (
         bool(leaves)
-        and all(isinstance(v, (jax.Array, np.ndarray)) for v in leaves)
-        and any(map(is_inexact_leaf, leaves))
+        and all(isinstance(v, (jax.Array, np.ndarray)) and len(path) >= 2 for path, v in leaves)
+        and any(is_inexact_leaf(v) for _, v in leaves)
     )
 
 

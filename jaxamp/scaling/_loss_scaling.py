@@ -25,9 +25,9 @@ from .._dtypes import array_part
 from ._dynamic_scaler import DynamicScalerState, next_scaler_state
 from ._finite import AxisName, check_axis_name, select_tree
 from ._optax import check_optimizer, gradients_finite, update_if_finite
-from ._scale_uses import warn_if_never_differentiated
+from ._scale_uses import check_scale_use
 
-__all__ = ["LossScaleState", "find_scaler_state", "loss_scaling"]
+__all__ = ["LossScaleState", "find_scaler_state", "is_scale_state", "loss_scaling"]
 
 
 class LossScaleState(NamedTuple):
@@ -89,7 +89,13 @@ def loss_scaling(
       more skipped step in ``scaler_state.total_resets``.
 
     The gradients it receives are true-scale (amp unscales them, or the
-    script does); the scale is only read from the state, by amp.
+    script does); the scale is only read from the state, by amp. The update
+    warns where they were not scaled by this state's scale: amp was given
+    an older state, another optimizer's, or none (docs/loss_scaling.md).
+
+    It must own the whole update for a skipped step to commit nothing: wrap
+    the chain, the ``multi_transform`` or the ``MultiSteps``, not a part of
+    it (amp refuses those placements).
 
     With gradient accumulation, wrap the accumulator:
     ``loss_scaling(optax.MultiSteps(opt, k))``. The decision is then one per
@@ -102,7 +108,7 @@ def loss_scaling(
     and the scale shrinks once. ``patience`` counts real steps. Not the other
     way round: optax's ``MultiSteps`` resets its accumulator by multiplying it
     by 0, which leaves a NaN a NaN, so one non-finite micro-batch would poison
-    every later step.
+    every later step (amp refuses that order).
 
     Args:
         optimizer: any optax gradient transformation.
@@ -157,7 +163,7 @@ def loss_scaling(
             raise TypeError(
                 f"jaxamp.loss_scaling's update expects the LossScaleState its init made, got {type(state).__name__}."
             )
-        warn_if_never_differentiated(state.scaler_state.scaler)
+        check_scale_use(state.scaler_state.scaler)
         finite = gradients_finite(grads, axis_name, what="jaxamp.loss_scaling")
         if isinstance(state.inner_state, optax.MultiStepsState):
             return _accumulating_update(inner, state, finite, grads, params, **extra_args)
@@ -212,7 +218,8 @@ def _as_numpy_if_concrete(x: jax.Array) -> Any:
         return x  # traced (e.g. a hyperparameter of optax.inject_hyperparams)
 
 
-def _is_scale_state(x: Any) -> bool:
+def is_scale_state(x: Any) -> bool:
+    """Whether `x` is a `LossScaleState` or a `DynamicScalerState`: what holds a loss scale."""
     return isinstance(x, (LossScaleState, DynamicScalerState))
 
 
@@ -234,7 +241,7 @@ def find_scaler_state(tree: Any, what: str = "loss_scale") -> DynamicScalerState
         ValueError: no `LossScaleState` (nor `DynamicScalerState`) in `tree`, or
             more than one.
     """
-    found = [leaf for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_scale_state) if _is_scale_state(leaf)]
+    found = [leaf for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_scale_state) if is_scale_state(leaf)]
     if len(found) != 1:
         problem = "holds no" if not found else f"holds {len(found)} loss scales:"
         raise ValueError(

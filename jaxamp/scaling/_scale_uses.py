@@ -9,7 +9,13 @@ call tells the two apart (the gradient may be taken later, of a jitted or
 scanned program), but by the time `loss_scaling`'s update reads the scale
 the backward pass has been traced, or never will be: amp records each scale
 it was given (`record_use`), its backward rule marks the record, and the
-update (`warn_if_never_differentiated`) says so where none was marked.
+update (`check_scale_use`) says so where none was marked.
+
+The same record tells the update when the loss was scaled by another scale
+than its own: an amp'd function built once and called again with a newer
+state, or given another optimizer's (a GAN's generator loss given the
+discriminator's state), or a `loss_scaling` optimizer whose gradients no amp
+call scaled at all.
 """
 
 from __future__ import annotations
@@ -19,23 +25,30 @@ import warnings
 import weakref
 from typing import Any
 
+import jax
+
 
 class ScaleUse:
     """amp's calls given one scale array: whether the backward pass of any of them was traced."""
 
-    __slots__ = ("scaler", "differentiated")
+    __slots__ = ("scaler", "differentiated", "trace")
 
     def __init__(self, scaler: Any):
         # Weakly: a tracer kept past its trace is a leak (`jax.checking_leaks`);
         # a dead one tells a reused id from the array recorded.
         self.scaler = weakref.ref(scaler)
         self.differentiated = False
+        # Which program the scale is a value of (None: concrete, eager).
+        self.trace = _trace_id(scaler)
 
 
 # The latest scales amp was given, by the id of the state's array: a scale
 # whose update is never called here (it runs in another trace) is dropped in turn.
 _USES: collections.OrderedDict[int, ScaleUse] = collections.OrderedDict()
 _KEPT = 64
+# amp calls given a scale since the last update read one: none means the
+# gradients that update receives were scaled by no amp call at all.
+_calls_since_update = 0
 
 
 def record_use(scaler: Any) -> ScaleUse | None:
@@ -43,6 +56,8 @@ def record_use(scaler: Any) -> ScaleUse | None:
 
     None where `scaler` takes no weak reference (a NumPy scalar): nothing to tell the update.
     """
+    global _calls_since_update
+    _calls_since_update += 1
     use = _USES.get(id(scaler))
     if use is None or use.scaler() is not scaler:
         try:
@@ -55,11 +70,49 @@ def record_use(scaler: Any) -> ScaleUse | None:
     return use
 
 
-def warn_if_never_differentiated(scaler: Any) -> None:
-    """Warn where amp was given `scaler` and no gradient was taken of the function it made."""
+def _trace_id(x: Any) -> int | None:
+    trace = getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
+    return None if trace is None else id(trace)
+
+
+def check_scale_use(scaler: Any) -> None:
+    """Warn where the gradients `loss_scaling`'s update receives were not scaled by `scaler`, its own scale.
+
+    Where amp was given `scaler`: whether a gradient was taken of what amp
+    made. Where it was not: whether amp was given another scale in the same
+    program (a stale or foreign state), or, with no record at all, none.
+    """
+    global _calls_since_update
+    calls, _calls_since_update = _calls_since_update, 0
     use = _USES.pop(id(scaler), None)
-    if use is None or use.scaler() is not scaler or use.differentiated:
+    if use is not None and use.scaler() is scaler:
+        if not use.differentiated:
+            _warn_never_differentiated()
         return
+    here = _trace_id(scaler)
+    if any(u.scaler() is not None and u.trace == here for u in _USES.values()):
+        warnings.warn(
+            "jaxamp.loss_scaling's update reads a loss scale that no amp call was given, while amp was "
+            "given another scale in this step: the gradients were scaled by that one. amp's loss_scale "
+            "is an older state of this optimizer (an amp'd function built once and called again: make "
+            "it in the step, jaxamp.amp(loss, compute_dtype='f16', loss_scale=opt_state), with the "
+            "state of this step) or another optimizer's state (give each loss its own optimizer's).",
+            UserWarning,
+            stacklevel=3,
+        )
+    elif not calls:
+        warnings.warn(
+            "jaxamp.loss_scaling's update reads a loss scale that no jaxamp.amp call was given: the "
+            "gradients were not loss-scaled, and float16 gradients below 6e-8 flushed to zero. Pass "
+            "the optimizer state to amp: jax.grad(jaxamp.amp(loss, compute_dtype='f16', "
+            "loss_scale=opt_state)). (Where the script scales and unscales the loss itself, filter "
+            "this warning.)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _warn_never_differentiated() -> None:
     warnings.warn(
         "jaxamp.loss_scaling's update reads a loss scale that jaxamp.amp was given (loss_scale=), but no "
         "gradient was taken of the function amp made: its scale reached no backward pass. Where that "
@@ -68,5 +121,5 @@ def warn_if_never_differentiated(scaler: Any) -> None:
         "to zero. Put amp inside the gradient: jax.value_and_grad(jaxamp.amp(loss, compute_dtype='f16', "
         "loss_scale=opt_state)).",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,
     )

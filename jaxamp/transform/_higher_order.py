@@ -101,9 +101,16 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
             pass
     state = _site_state.active()
     start = state.position if state is not None else 0
+    around = ctx.around_custom_vjp
+    around_calls = around.calls if around is not None else 0
     body = _amp_body(closed.jaxpr, closed.consts, ctx)
     new = _compat.trace_to_closed_jaxpr(body, _avals_like(closed.in_avals, invals))
-    if cacheable and (state is None or state.position == start):
+    # A body that closed over a value of this call (a site state's, a loss
+    # scale's) holds it as a constant: it serves this call alone.
+    closes_over_call = (state is not None and state.position != start) or (
+        around is not None and around.calls != around_calls
+    )
+    if cacheable and not closes_over_call:
         try:
             _AMP_BODIES.setdefault(closed, {})[key] = new
         except TypeError:  # an unhashable or non-weakrefable jaxpr: no caching

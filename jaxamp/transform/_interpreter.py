@@ -134,6 +134,12 @@ class AmpContext:
             call sites around this jaxpr (`_compat.differentiation_depth`):
             a body is traced on abstract values, which no longer show it.
             Rules read it for each equation with `differentiation_depth`.
+        around_custom_vjp: ``around_custom_vjp(eqn, invals, call) -> outvals``,
+            run in place of each ``jax.custom_vjp`` call's handler (``call(invals)``):
+            loss scaling hands its backward rules true-scale cotangents with
+            it (`jaxamp.scaling._in_grad`). It counts its uses (``calls``), so
+            a body that closes over its values is not shared, and says what it
+            cannot reach (``unreachable(where)``). Not passed into custom rules.
     """
 
     compute_dtype: np.dtype
@@ -147,6 +153,7 @@ class AmpContext:
     tail: bool = False
     recompute: bool = True
     differentiated: int = 0
+    around_custom_vjp: Any = None
 
     def nested(
         self, eqn: Any, statistics_inputs: tuple[Any, tuple] | None = None, invals: Sequence[Any] = ()
@@ -158,11 +165,26 @@ class AmpContext:
             call_sites=self.call_sites + (eqn,),
             statistics_inputs=statistics_inputs,
             differentiated=max(self.differentiated, *map(_compat.differentiation_depth, invals), 0),
+            around_custom_vjp=_around_custom_vjp_in(self.around_custom_vjp, eqn),
         )
 
     def repeated(self, times: int) -> AmpContext:
         """The context for a loop body that runs `times` times per call."""
         return dataclasses.replace(self, trip_count=self.trip_count * times)
+
+
+def _around_custom_vjp_in(around: Any, eqn: Any) -> Any:
+    """`AmpContext.around_custom_vjp` for the bodies of `eqn`.
+
+    JAX traces custom rules apart from the program, so a value of the caller's
+    trace cannot reach them; a shard_map body is traced per shard, where it
+    could only arrive as a constant JAX refuses.
+    """
+    if around is None or eqn.primitive in (_compat.custom_vjp_call_p, _compat.custom_jvp_call_p):
+        return None
+    if eqn.primitive is _compat.shard_map_p:
+        return around.unreachable("a shard_map body")
+    return around
 
 
 Handler = Callable[["AmpContext", Any, list], Sequence[Any]]
@@ -231,7 +253,12 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
                 nested = ctx.nested(eqn, None if call_inputs is None else (_compat.call_body(eqn), call_inputs), invals)
                 if in_tail and not nested.tail:
                     nested = dataclasses.replace(nested, tail=True)
-                outvals = _run_handler(handler, ctx, nested, eqn, invals)
+                if eqn.primitive is _compat.custom_vjp_call_p and ctx.around_custom_vjp is not None:
+                    outvals = ctx.around_custom_vjp(
+                        eqn, invals, lambda ins: _run_handler(handler, ctx, nested, eqn, list(ins))
+                    )
+                else:
+                    outvals = _run_handler(handler, ctx, nested, eqn, invals)
             else:
                 outvals = _apply_rule(
                     ctx,
