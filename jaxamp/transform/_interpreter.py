@@ -23,12 +23,12 @@ import numpy as np
 from .. import _compat
 from .._casting import dtype_of, shared_casts
 from .._dtypes import is_castable
-from .._jaxpr import merge_runs
+from .._jaxpr import MATMUL_NAMES, merge_runs
 from ..analyses._regions import Regions
 from ..analyses._statistics import plan_statistics
 from ..analyses._tail import tail_equations
 from . import _site_state
-from ._rules import PolicyTable, use_original_precision
+from ._rules import PolicyTable, requested_precision, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
 
 __all__ = [
@@ -538,9 +538,11 @@ def _apply_rule(
     params = eqn.primitive.get_bind_params(eqn.params)
     # An unknown higher-order primitive (or one whose handler failed): its body
     # cannot be rewritten, so it gets exactly the operands it was traced with.
-    choice = None
+    choice, request = None, ""
     if "subfuns" not in params and not force_original:
-        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic, bounded, tail)
+        if eqn.primitive.name in MATMUL_NAMES:
+            request = requested_precision(original, eqn.params)
+        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic, bounded, tail, bool(request))
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     before = tuple(dtype_of(x) for x in invals)
@@ -588,7 +590,13 @@ def _apply_rule(
                 outputs=outs,
                 trip_count=ctx.trip_count,
                 call_sites=ctx.call_sites,
-                detail=rewrite.detail if rewrite is not None else "",
+                detail=(
+                    rewrite.detail
+                    if rewrite is not None
+                    else f"the program asks for {request}"
+                    if choice.decided_by == "requested"
+                    else ""
+                ),
                 replay=replay,
             )
         )
