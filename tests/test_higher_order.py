@@ -365,7 +365,9 @@ def test_each_distinct_inline_call_is_rewritten_once():
 
     table = default_amp_policy | {jax.lax.tanh_p: counting}
     jaxpr = jax.make_jaxpr(jax.grad(amp(_four_inline_layers, amp_policy=table)))(W, X)
-    assert len(calls) == 2
+    # The last call's tanh is part of the loss (the tail), as it would be
+    # inline: a third rewrite.
+    assert len(calls) == 3
     # 4 forward, 4 for the weight gradient, 3 carrying it back through x.
     assert_all_matmuls_in(jaxpr, jnp.float16, at_least=11)
 

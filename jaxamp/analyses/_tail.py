@@ -1,4 +1,4 @@
-"""The program's tail: its loss, the equations after its last matmul that reduce to a scalar output.
+"""The program's tail: its loss, and the log-probabilities it is computed from.
 
 PyTorch's autocast runs `log_softmax`, `cross_entropy`, `nll_loss`, `mse_loss`
 and the other loss functions in float32, and MaxText casts logits to float32
@@ -7,75 +7,203 @@ before its loss: a loss computed in half precision is a half-precision number
 value shows it. amp finds the same region in any program, whatever library
 wrote the loss.
 
-**Definition.** The tail is the equations downstream of a matmul whose results
-reach no matmul or convolution and flow only into scalar outputs of the
-program (the value being optimised): a head's bias, log-softmax, logsumexp,
-the cross-entropy or squared error and the reductions that make the loss. It
-runs by the table's ``"amp_tail"`` entry (`use_original_precision`: float32
-where the program had float32). An attention softmax feeds a matmul and is
-not part of it; a function that returns activations, logits or any other
-non-scalar (a layer, a model's forward) has no tail where those flow, and runs
-by the table as jaxamp 0.0.4 runs it. An entry the user wrote for a
-primitive comes first (see `jaxamp.transform._scopes.choose_rule`).
+**Definition.** The tail is two sets of equations, both run by the table's
+``"amp_tail"`` entry (`use_original_precision`: float32 where the program had
+float32):
 
-Only the amp'd program's own equations are classified; a call in the tail
-(``jax.nn.log_softmax`` is a jit'd function) has its whole body run as tail.
-A program without matmuls has no tail: amp leaves it as its table says.
+* the loss: the equations downstream of a matmul whose results reach no
+  matmul or convolution and flow only into scalar outputs of the program (the
+  value being optimised): a head's bias, the cross-entropy or squared error
+  and the reductions that make the loss;
+* log-probabilities, wherever a jaxpr computes them (`log_probabilities`): a
+  ``log`` of a ``reduce_sum`` of an ``exp`` (log-softmax, logsumexp, every
+  cross-entropy), from the values it normalises (their maximum, the shifted
+  values, the exponentials and their sum) to the log, and all that follows
+  the log and reaches no matmul (per-token log-probabilities, per-example
+  losses, their gathers and sums). This part does not depend on where the
+  code sits: a vector of losses, a log-softmax inside a `jax.jit`, a
+  `jax.checkpoint` or a custom derivative's body is float32 as at top level.
+
+An attention softmax feeds a matmul and has no log: it is not part of it. A
+function that returns activations or logits (a layer, a model's forward) has
+no tail there and runs by the table as jaxamp 0.0.4 runs it. An entry the
+user wrote for a primitive comes first (see
+`jaxamp.transform._scopes.choose_rule`).
+
+Both are found across calls: the bodies of ``jit``'d functions (every
+``jax.numpy`` function amp keeps as a call), ``jax.checkpoint`` and custom
+derivatives' primal functions are walked where they are called, so a loss
+whose matmul and log-softmax sit in one inner ``jax.jit`` is the loss it is
+inline. Each equation is named by its `Path`. A loop or cond in the tail has
+its whole body run as tail. A program without matmuls has no loss tail.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _compat
-from .._jaxpr import holds_matmul
+from .._jaxpr import MATMUL_NAMES, holds_matmul
 
-__all__ = ["tail_equations"]
+__all__ = ["Path", "tail_paths"]
 
 
-def tail_equations(jaxpr: Any) -> frozenset[int]:
-    """Indices of `jaxpr`'s equations downstream of a matmul that reduce to scalar outputs only.
+Path = tuple[int, ...]
+"""An equation's place: its index, after the indices of the calls whose bodies hold it, outermost first."""
+
+
+class _Node(NamedTuple):
+    """An equation of the flattened program: calls replaced by their bodies, variables renamed."""
+
+    path: Path
+    name: str
+    invars: tuple[Any, ...]  # keys of non-literal operands
+    outvars: tuple[Any, ...]
+    matmul: bool
+
+
+def tail_paths(jaxpr: Any, program: bool = True) -> frozenset[Path]:
+    """The `Path` of every equation of `jaxpr` in its tail: its loss (for a program) and its log-probabilities.
 
     Args:
-        jaxpr: the amp'd program (an open jaxpr).
-
-    Returns:
-        The tail's equation indices: each is downstream of a matmul, reaches
-        no matmul, and reaches the program's outputs only through scalar
-        ones; empty when the program has no matmul.
+        jaxpr: an open jaxpr: the amp'd program, or a body inside it.
+        program: whether `jaxpr` is the amp'd program, whose scalar outputs
+            are its loss; a body's outputs are not.
     """
-    eqns = jaxpr.eqns
-    matmul = [holds_matmul(eqn) for eqn in eqns]
-    if not any(matmul):
+    nodes, outputs = _flatten(jaxpr)
+    found = _log_probabilities(nodes)
+    if program:
+        scalar = {k for k, v in zip(outputs, jaxpr.outvars) if k is not None and getattr(v.aval, "shape", None) == ()}
+        found |= _loss(nodes, [k for k in outputs if k is not None], scalar)
+    return found
+
+
+def _flatten(jaxpr: Any) -> tuple[list[_Node], list[Any]]:
+    """`jaxpr`'s equations with call bodies inlined, and the keys of its outputs (None: a literal)."""
+    nodes: list[_Node] = []
+
+    def walk(jaxpr: Any, prefix: Path, env: dict) -> list[Any]:
+        def key(v: Any) -> Any:
+            return None if isinstance(v, _compat.Literal) else env.setdefault(v, (prefix, v))
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            path = (*prefix, i)
+            body = _compat.call_body(eqn)
+            if body is not None and len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
+                inner = {b: key(v) for b, v in zip(body.invars, eqn.invars) if key(v) is not None}
+                for out, k in zip(eqn.outvars, walk(body, path, inner)):
+                    env[out] = (path, out) if k is None else k
+                continue
+            matmul = eqn.primitive.name in MATMUL_NAMES or holds_matmul(eqn)
+            ins = tuple(k for k in map(key, eqn.invars) if k is not None)
+            nodes.append(_Node(path, eqn.primitive.name, ins, tuple(map(key, eqn.outvars)), matmul))
+        return [key(v) for v in jaxpr.outvars]
+
+    outputs = walk(jaxpr, (), {})
+    return nodes, outputs
+
+
+def _loss(nodes: list[_Node], outputs: list[Any], scalar: set[Any]) -> frozenset[Path]:
+    """Nodes downstream of a matmul, reaching none, that reach the outputs only through `scalar` ones."""
+    if not any(n.matmul for n in nodes):
         return frozenset()
     # Backwards: which variables some matmul, a scalar output or another
     # output (eventually) reads.
     feeds_matmul: set[Any] = set()
-    feeds_scalar: set[Any] = set()
-    feeds_other: set[Any] = set()
-    for v in jaxpr.outvars:
-        if not isinstance(v, _compat.Literal):
-            (feeds_scalar if getattr(v.aval, "shape", None) == () else feeds_other).add(v)
-    in_loss = [False] * len(eqns)
-    for i in reversed(range(len(eqns))):
-        eqn = eqns[i]
-        operands = [v for v in eqn.invars if not isinstance(v, _compat.Literal)]
+    feeds_scalar: set[Any] = set(scalar)
+    feeds_other: set[Any] = set(outputs) - scalar
+    in_loss = [False] * len(nodes)
+    for i in reversed(range(len(nodes))):
+        node = nodes[i]
         reaches = [
-            matmul[i] or any(o in feeds_matmul for o in eqn.outvars),
-            any(o in feeds_scalar for o in eqn.outvars),
-            any(o in feeds_other for o in eqn.outvars),
+            node.matmul or any(o in feeds_matmul for o in node.outvars),
+            any(o in feeds_scalar for o in node.outvars),
+            any(o in feeds_other for o in node.outvars),
         ]
         for reached, feeds in zip(reaches, (feeds_matmul, feeds_scalar, feeds_other)):
             if reached:
-                feeds.update(operands)
+                feeds.update(node.invars)
         in_loss[i] = reaches == [False, True, False]
     # Forwards: which variables a matmul's result flows into.
     after: set[Any] = set()
     tail = set()
-    for i, eqn in enumerate(eqns):
-        downstream = any(v in after for v in eqn.invars if not isinstance(v, _compat.Literal))
-        if matmul[i] or downstream:
-            after.update(eqn.outvars)
+    for i, node in enumerate(nodes):
+        downstream = any(v in after for v in node.invars)
+        if node.matmul or downstream:
+            after.update(node.outvars)
         if downstream and in_loss[i]:
-            tail.add(i)
+            tail.add(node.path)
     return frozenset(tail)
+
+
+# What a log-normaliser's value passes through between its exponentials,
+# their sum and the log: shapes, an absolute value (logsumexp's sign), a
+# where-mask (``select_n``, ``mul``).
+_CARRIERS = frozenset(
+    {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "abs", "convert_element_type", "select_n", "mul"}
+)
+
+
+def _log_probabilities(nodes: list[_Node]) -> frozenset[Path]:
+    """Nodes computing log-probabilities: log-softmax, logsumexp and what follows them.
+
+    For each ``log`` of a ``reduce_sum`` of an ``exp`` (through `_CARRIERS`):
+    the nodes on the paths from the values the exponentials normalise (``x``
+    of ``exp(x - max(x))``) to the log, and those downstream of the log that
+    reach no matmul. Paths never cross a matmul.
+    """
+    producer = {v: i for i, node in enumerate(nodes) for v in node.outvars}
+
+    def source(v: Any, name: str) -> int | None:
+        # The node named `name` that `v` comes from through `_CARRIERS`.
+        k = producer.get(v)
+        if k is None:
+            return None
+        if nodes[k].name == name:
+            return k
+        if nodes[k].name not in _CARRIERS:
+            return None
+        # select_n's cases, mul's factors: the one that leads back.
+        return next((f for f in (source(u, name) for u in nodes[k].invars) if f is not None), None)
+
+    logs, roots = set(), set()
+    for i, node in enumerate(nodes):
+        if node.name != "log" or not node.invars:
+            continue
+        total = source(node.invars[0], "reduce_sum")
+        exp = None if total is None or not nodes[total].invars else source(nodes[total].invars[0], "exp")
+        if exp is None or not nodes[exp].invars:
+            continue
+        logs.add(i)
+        shifted = nodes[exp].invars[0]
+        k = producer.get(shifted)
+        # exp(x - max(x)): the values normalised are x, so that their maximum
+        # (and logsumexp's addition of it back) is part of it.
+        roots.add(nodes[k].invars[0] if k is not None and nodes[k].name == "sub" and nodes[k].invars else shifted)
+    if not logs:
+        return frozenset()
+    # Forwards from the roots and from the logs, backwards from the logs and
+    # from every matmul (what reaches one is not log-probabilities).
+    from_roots: set[Any] = set(roots)
+    after_log: set[Any] = set()
+    downstream_of_roots, downstream_of_logs = set(), set()
+    for i, node in enumerate(nodes):
+        if not node.matmul and any(v in from_roots for v in node.invars):
+            downstream_of_roots.add(i)
+            from_roots.update(node.outvars)
+        if i in logs or (not node.matmul and any(v in after_log for v in node.invars)):
+            downstream_of_logs.add(i)
+            after_log.update(node.outvars)
+    to_logs: set[Any] = set()
+    to_matmul: set[Any] = set()
+    upstream_of_logs, reaches_matmul = set(), set()
+    for i in reversed(range(len(nodes))):
+        node = nodes[i]
+        if i in logs or (not node.matmul and any(o in to_logs for o in node.outvars)):
+            upstream_of_logs.add(i)
+            to_logs.update(node.invars)
+        if node.matmul or any(o in to_matmul for o in node.outvars):
+            reaches_matmul.add(i)
+            to_matmul.update(node.invars)
+    chosen = (downstream_of_roots & upstream_of_logs) | (downstream_of_logs - reaches_matmul)
+    return frozenset(nodes[i].path for i in chosen)

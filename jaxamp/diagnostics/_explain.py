@@ -56,6 +56,8 @@ class AmpRow:
             asks them (see `jaxamp.transform._scopes.choose_rule`):
             ``"amp_stop"``, ``"scope:<name>"``, ``"user"`` (the user's entry
             for the primitive, differing from the default table's),
+            ``"requested"`` (a matmul whose program asked for a precision:
+            ``precision=HIGHEST``, a wider ``preferred_element_type``),
             ``"tail"``, ``"statistics"``, ``"range"``, ``"primitive"`` (the
             default table's entry), ``"amp_default"``, or ``"original"`` (no
             entry, or a primitive amp cannot rewrite).
@@ -116,7 +118,7 @@ class AmpRow:
             return False
         pairs = zip(self.dtypes_before, self.dtypes_after)
         cast_up = any(b in _HALF and a == "f32" for b, a in pairs)
-        pinned = self.decided_by in ("user", "tail", "statistics") or self.decided_by.startswith("scope:")
+        pinned = self.decided_by in ("user", "requested", "tail", "statistics") or self.decided_by.startswith("scope:")
         return cast_up or pinned
 
     @property

@@ -53,7 +53,7 @@ from .._jaxpr import MATMUL_NAMES, equation_flops, matmuls_in
 from ..transform import _site_state
 from ..transform._interpreter import HANDLERS, EquationRewrite, differentiation_depth, warn_once
 from ..transform._linearity import UNKNOWN, linear_operands
-from ..transform._rules import PolicyTable, Rule, requested_accumulation, use_compute_precision
+from ..transform._rules import PolicyTable, Rule, requested_precision, use_compute_precision
 from ..transform._scopes import MODE_ENTRY
 from ._differentiable import Scheme, differentiable_matmul, tangent_product
 from ._partitioned import explicit_conv_layouts
@@ -301,10 +301,11 @@ class Fp8MatmulRule:
         if not all(is_castable(d) for d in operands):
             names = " x ".join(dtype_short_name(d) for d in operands)
             return f"{names} operands (float8 takes float32, bfloat16 or float16)"
-        requested = requested_accumulation(original_dtypes, eqn.params)
-        if requested is not None:
-            names = " x ".join(dtype_short_name(d) for d in operands)
-            return f"the program asks for a {dtype_short_name(requested)} result of {names} operands"
+        # (Reached only where the table has no "amp_requested" entry, which
+        # otherwise runs such a matmul as written before this rule is asked.)
+        requested = requested_precision(original_dtypes, eqn.params)
+        if requested:
+            return f"the program asks for {requested}"
         linear = linear_operands(eqn)
         if linear == UNKNOWN:
             reason = "in a jit, scan or cond nested in a custom_jvp rule, where amp cannot tell tangents from primals"

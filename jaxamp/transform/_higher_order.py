@@ -93,7 +93,9 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     higher_order = ctx.differentiated >= 2
     # Where sites take no values (`_site_state.paused`), rules rewrite them otherwise.
     paused = bool(_site_state.pause_reason())
-    key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics, ctx.recompute, higher_order, paused)
+    # Which of its equations are the program's tail depends on the call site.
+    tail = (ctx.tail, ctx.tail_inside[1] if ctx.tail_inside is not None else None)
+    key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics, ctx.recompute, higher_order, paused, tail)
     if cacheable:
         try:
             return _AMP_BODIES[closed][key]

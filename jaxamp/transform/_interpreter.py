@@ -23,12 +23,12 @@ import numpy as np
 from .. import _compat
 from .._casting import dtype_of, shared_casts
 from .._dtypes import is_castable
-from .._jaxpr import merge_runs
+from .._jaxpr import MATMUL_NAMES, holds_matmul, merge_runs
 from ..analyses._regions import Regions
 from ..analyses._statistics import plan_statistics
-from ..analyses._tail import tail_equations
+from ..analyses._tail import Path, tail_paths
 from . import _site_state
-from ._rules import PolicyTable, use_original_precision
+from ._rules import PolicyTable, requested_precision, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
 
 __all__ = [
@@ -125,8 +125,11 @@ class AmpContext:
         statistics_inputs: ``(body, arguments)`` when the next jaxpr to be
             interpreted is the body of a call: what `plan_statistics` plans
             it with at this call site (see `jaxamp.analyses._statistics`).
-        tail: the jaxpr is the body of an equation in the program's tail (see
-            `jaxamp.analyses._tail`): all of it runs by the ``"amp_tail"`` entry.
+        tail: the jaxpr is the body of a loop or cond in the program's tail
+            (see `jaxamp.analyses._tail`): all of it runs by the ``"amp_tail"`` entry.
+        tail_inside: ``(body, paths)`` when the next jaxpr to be interpreted
+            is the body of a call: the `jaxamp.analyses._tail.Path` of each of
+            its equations in the tail, as its caller's analysis found them.
         recompute: evaluate norm regions and the program's tail under
             `jax.checkpoint` (see `_evaluate_recomputed`); off for programs
             that are never differentiated (eager calls), where it only costs.
@@ -151,6 +154,7 @@ class AmpContext:
     call_sites: tuple[Any, ...] = ()
     statistics_inputs: tuple[Any, tuple] | None = None
     tail: bool = False
+    tail_inside: tuple[Any, frozenset] | None = None
     recompute: bool = True
     differentiated: int = 0
     around_custom_vjp: Any = None
@@ -164,6 +168,7 @@ class AmpContext:
             scopes=self.scopes + _compat.eqn_scopes(eqn),
             call_sites=self.call_sites + (eqn,),
             statistics_inputs=statistics_inputs,
+            tail_inside=None,
             differentiated=max(self.differentiated, *map(_compat.differentiation_depth, invals), 0),
             around_custom_vjp=_around_custom_vjp_in(self.around_custom_vjp, eqn),
         )
@@ -234,10 +239,24 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
         _write(env, v, value)
     for v, value in zip(jaxpr.invars, args, strict=True):
         _write(env, v, value)
-    tail: frozenset[int] = frozenset()
-    if not ctx.call_sites:  # the amp'd program itself, not a body inside it
+    program = not ctx.call_sites  # the amp'd program itself, not a body inside it
+    if program:
         ctx = _for_program(ctx, jaxpr)
-        tail = tail_equations(jaxpr)
+    # A loop or cond body in the tail runs as tail whole (`AmpContext.tail`);
+    # a call's body was classified with its caller (`AmpContext.tail_inside`);
+    # any other is classified here.
+    paths: frozenset[Path] = frozenset()
+    if not ctx.tail:
+        given_tail = ctx.tail_inside
+        paths = given_tail[1] if given_tail is not None and given_tail[0] is jaxpr else tail_paths(jaxpr, program)
+    inside: dict[int, frozenset[Path]] = {}
+    for path in paths:
+        if len(path) > 1:
+            inside.setdefault(path[0], frozenset())
+            inside[path[0]] |= {path[1:]}
+    # Equations in the tail, calls holding some of it among them (for the
+    # runs recomputed under `jax.checkpoint`).
+    tail = frozenset(p[0] for p in paths if len(p) == 1) | {i for i in inside if not holds_matmul(jaxpr.eqns[i])}
 
     given = ctx.statistics_inputs
     plan = plan_statistics(jaxpr, *(given[1] if given is not None and given[0] is jaxpr else ()))
@@ -246,13 +265,16 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     def evaluate(i: int, eqn: Any, env: dict, casts: dict) -> None:
         invals = [_read(env, v) for v in eqn.invars]
         handler = HANDLERS.get(eqn.primitive)
-        in_tail = ctx.tail or i in tail
+        in_tail = ctx.tail or (i,) in paths
         with _compat.eqn_source(eqn):
             if handler is not None:
                 call_inputs = plan.call_inputs.get(i)
-                nested = ctx.nested(eqn, None if call_inputs is None else (_compat.call_body(eqn), call_inputs), invals)
+                body = _compat.call_body(eqn)
+                nested = ctx.nested(eqn, None if call_inputs is None else (body, call_inputs), invals)
                 if in_tail and not nested.tail:
                     nested = dataclasses.replace(nested, tail=True)
+                elif body is not None and not in_tail:
+                    nested = dataclasses.replace(nested, tail_inside=(body, inside.get(i, frozenset())))
                 if eqn.primitive is _compat.custom_vjp_call_p and ctx.around_custom_vjp is not None:
                     outvals = ctx.around_custom_vjp(
                         eqn, invals, lambda ins: _run_handler(handler, ctx, nested, eqn, list(ins))
@@ -296,7 +318,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
             key = (
                 ctx.compute_dtype, ctx.policy, ctx.scopes, ctx.tail, ctx.differentiated >= 2,
                 tuple(
-                    (k in plan.statistics, k in plan.bounded, k in tail, plan.call_inputs.get(k))
+                    (k in plan.statistics, k in plan.bounded, (k,) in paths, inside.get(k), plan.call_inputs.get(k))
                     for k in run
                 ),
             )  # fmt: skip
@@ -565,9 +587,11 @@ def _apply_rule(
     params = eqn.primitive.get_bind_params(eqn.params)
     # An unknown higher-order primitive (or one whose handler failed): its body
     # cannot be rewritten, so it gets exactly the operands it was traced with.
-    choice = None
+    choice, request = None, ""
     if "subfuns" not in params and not force_original:
-        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic, bounded, tail)
+        if eqn.primitive.name in MATMUL_NAMES:
+            request = requested_precision(original, eqn.params)
+        choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic, bounded, tail, bool(request))
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
     before = tuple(dtype_of(x) for x in invals)
@@ -615,7 +639,13 @@ def _apply_rule(
                 outputs=outs,
                 trip_count=ctx.trip_count,
                 call_sites=ctx.call_sites,
-                detail=rewrite.detail if rewrite is not None else "",
+                detail=(
+                    rewrite.detail
+                    if rewrite is not None
+                    else f"the program asks for {request}"
+                    if choice.decided_by == "requested"
+                    else ""
+                ),
                 replay=replay,
             )
         )

@@ -29,6 +29,7 @@ __all__ = [
     "Rule",
     "default_amp_policy",
     "requested_accumulation",
+    "requested_precision",
     "use_compute_precision",
     "use_current_precision",
     "use_full_range_precision",
@@ -62,6 +63,41 @@ def requested_accumulation(original_dtypes: Sequence[Any], params: Mapping[str, 
         return None
     preferred = np.dtype(preferred)
     return preferred if all(d.itemsize < preferred.itemsize for d in operands) else None
+
+
+# Precisions that ask a matmul for more than one half-precision pass: on
+# float32 operands a request for float32 (or its multi-pass emulation).
+_WIDE_PRECISIONS = frozenset({jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST})
+
+
+def requested_precision(original_dtypes: Sequence[Any], params: Mapping[str, Any]) -> str:
+    """What a matmul's program asked for beyond amp's compute dtype, in words; ``""`` if nothing.
+
+    Two requests, both written into the program: a wider result than its
+    half-precision operands (`requested_accumulation`), and, on float32
+    operands, a precision of ``HIGH`` or ``HIGHEST`` or a dot algorithm preset
+    that takes float32 inputs only (``F32_F32_F32``, ``TF32_TF32_F32``,
+    ``BF16_BF16_F32_X3``...). amp runs such a matmul as written (the table's
+    ``"amp_requested"`` entry).
+    """
+    operands = [np.dtype(d) for d in original_dtypes[:2] if is_castable(d)]
+    if not operands:
+        return ""
+    wider = requested_accumulation(original_dtypes, params)
+    if wider is not None:
+        names = " x ".join(np.dtype(d).name for d in operands)
+        return f"a {wider.name} result of {names} operands"
+    if any(d != np.dtype(jnp.float32) for d in operands):
+        return ""
+    precision = params.get("precision")
+    if isinstance(precision, jax.lax.DotAlgorithmPreset):
+        inputs = precision.supported_lhs_types
+        if inputs and all(np.dtype(t).itemsize >= 4 for t in inputs):
+            return f"precision {precision.name}"
+        return ""
+    asked = precision if isinstance(precision, tuple) else (precision,)
+    wide = [p for p in asked if isinstance(p, jax.lax.Precision) and p in _WIDE_PRECISIONS]
+    return f"precision {wide[0].name}" if wide else ""
 
 
 def _with_preferred_element_type(params: dict, dtype: Any, original_dtypes: Sequence[Any]) -> dict:
@@ -682,6 +718,9 @@ default_amp_policy: PolicyTable = PolicyTable(
         # What runs after the program's last matmul (the loss): float32, as
         # PyTorch's autocast runs its loss functions (see `jaxamp.analyses._tail`).
         "amp_tail": use_original_precision,
+        # A matmul whose program asked for a precision (`requested_precision`):
+        # run as written.
+        "amp_requested": use_original_precision,
     }
 )
 """The default amp policy table (read-only; see `PolicyTable`)."""

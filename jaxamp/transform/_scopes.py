@@ -17,6 +17,7 @@ from ._rules import default_amp_policy, use_full_range_precision
 __all__ = [
     "AMP_DEFAULT",
     "AMP_RANGE",
+    "AMP_REQUESTED",
     "AMP_STATISTICS",
     "AMP_STOP",
     "AMP_TAIL",
@@ -33,6 +34,9 @@ AMP_STATISTICS = "amp_statistics"
 # The entry for range-limited ops whose result the range facts bound (see
 # `jaxamp.analyses._ranges`); it replaces only the default `use_full_range_precision`.
 AMP_RANGE = "amp_range"
+# The entry for a matmul whose program asked for a precision (see
+# `jaxamp.transform._rules.requested_precision`).
+AMP_REQUESTED = "amp_requested"
 # The entry for the program's tail: what runs after its last matmul (see
 # `jaxamp.analyses._tail`).
 AMP_TAIL = "amp_tail"
@@ -74,7 +78,7 @@ class RuleChoice(NamedTuple):
     """The rule for one equation and which table entry supplied it."""
 
     rule: Callable
-    # "amp_stop", "scope:<name>", "user", "tail", "statistics", "range",
+    # "amp_stop", "scope:<name>", "user", "requested", "tail", "statistics", "range",
     # "primitive" (the default table's entry) or "amp_default"
     decided_by: str
 
@@ -86,6 +90,7 @@ def choose_rule(
     statistic: bool = False,
     bounded: bool = False,
     tail: bool = False,
+    requested: bool = False,
 ) -> RuleChoice | None:
     """Pick the policy entry for an equation.
 
@@ -95,13 +100,17 @@ def choose_rule(
     2. the outermost active named scope with an entry;
     3. the primitive's entry, where it differs from `default_amp_policy`'s
        (an entry the user wrote: ``"user"``);
-    4. ``"amp_tail"``, for an equation of the program's loss (`tail`; see
+    4. ``"amp_requested"``, for a matmul whose program asked for a precision
+       (`requested`; see `jaxamp.transform._rules.requested_precision`): the
+       program's word on one matmul, below the table's on all of them, whose
+       rule is given the request's parameters;
+    5. ``"amp_tail"``, for an equation of the program's loss (`tail`; see
        `jaxamp.analyses._tail`);
-    5. ``"amp_statistics"``, for an equation computing normalisation
+    6. ``"amp_statistics"``, for an equation computing normalisation
        statistics (`statistic`);
-    6. ``"amp_range"``, for a range-limited equation whose result is known to
+    7. ``"amp_range"``, for a range-limited equation whose result is known to
        be bounded (`bounded`) and whose entry is `use_full_range_precision`;
-    7. the primitive's default entry (``"primitive"``), then ``"amp_default"``.
+    8. the primitive's default entry (``"primitive"``), then ``"amp_default"``.
 
     Returns None when nothing matches (the caller keeps the original precision).
     """
@@ -113,6 +122,8 @@ def choose_rule(
     rule = policy.get(primitive)
     if rule is not None and _written_by_user(rule, primitive):
         return RuleChoice(rule, "user")
+    if requested and AMP_REQUESTED in policy:
+        return RuleChoice(policy[AMP_REQUESTED], "requested")
     if tail and AMP_TAIL in policy:
         return RuleChoice(policy[AMP_TAIL], "tail")
     if statistic and AMP_STATISTICS in policy:
