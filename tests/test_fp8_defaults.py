@@ -161,6 +161,10 @@ def test_grouped_gradients_equal_float32_on_exact_values():
         ({"gemm_multiple": 0}, ValueError, r"Fp8Recipe.gemm_multiple must be at least 1, got 0"),
         ({"attention": 1}, TypeError, r"Fp8Recipe.attention must be a bool, got 1 \(int\)"),
         ({"grouped": "yes"}, TypeError, r"Fp8Recipe.grouped must be a bool, got 'yes' \(str\)"),
+        ({"keep_small_bf16": [4096, 1024]}, TypeError, r"keep_small_bf16 must be None or a tuple of two ints"),
+        ({"keep_small_bf16": (4096,)}, TypeError, r"keep_small_bf16 must be None or a tuple of two ints"),
+        ({"keep_small_bf16": (4096.0, 1024)}, TypeError, r"keep_small_bf16 must be None or a tuple of two ints"),
+        ({"keep_small_bf16": (-1, 1024)}, ValueError, r"keep_small_bf16 sizes must be at least 0, got \(-1, 1024\)"),
     ],
 )
 def test_bad_recipe_fields(fields, error, match):
@@ -170,7 +174,7 @@ def test_bad_recipe_fields(fields, error, match):
 
 def test_the_default_recipe():
     assert dataclasses.asdict(Fp8Recipe()) == {
-        "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "min_contraction": 16, "gemm_multiple": 16,
+        "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "keep_small_bf16": None, "min_contraction": 16, "gemm_multiple": 16,
         "keep_last_matmul_bf16": True, "attention": False, "grouped": False, "gradient_format": None,
         "fast_accumulation": "forward", "amax_history_length": 1024, "amax_compute_algo": "max", "margin": 0,
     }  # fmt: skip

@@ -115,7 +115,9 @@ def test_explain_names_the_recipe():
     x, w = jnp.ones((32, 64)), jnp.ones((64, 48))
     detail = lambda recipe: jaxamp.explain(f, compute_dtype=recipe)(x, w).rows[0].detail  # noqa: E731
     assert detail(_recipe("tensorwise")).endswith("scaling: current")
-    assert detail(_recipe("rowwise")).endswith("scaling: current, rowwise, power-of-two scales")
+    assert detail(_recipe("rowwise")).endswith(
+        "scaling: current, rowwise, power-of-two scales; the row scales an elementwise pass after each float8 GEMM"
+    )
     assert "(weight gradient bf16); scaling: current, rowwise" in detail(_recipe("rowwise_with_gw_hp"))
     assert detail(_recipe("tensorwise", power_of_two_scales=True)).endswith("scaling: current, power-of-two scales")
     assert detail(_recipe("tensorwise", fast_accumulation="none")).endswith("scaling: current; fast accumulation: none")
