@@ -93,9 +93,10 @@ class Fp8Recipe:
         keep_small_bf16: ``(K, N)``: a matmul whose contraction size is at
             most K and whose output features (a dot's right-hand free size, a
             convolution's output features) at most N stays in bfloat16; None
-            keeps none out on this ground. Default ``(4096, 1024)``, the sizes
-            below which torchao's H100 measurements found a tensorwise float8
-            linear layer slower than bfloat16 (its ``auto_filter_for_recipe``):
+            (the default, for now) keeps none out on this ground. ``(4096,
+            1024)`` are the sizes below which torchao's H100 measurements found
+            a tensorwise float8 linear layer slower than bfloat16 (its
+            ``auto_filter_for_recipe``):
             each float8 matmul adds passes over its operands (an amax and a
             quantisation of each, and of the cotangent) that only a large
             enough GEMM earns back. The rule reads the weight's sizes, not the
