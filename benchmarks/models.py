@@ -1,6 +1,7 @@
 """The models of the benchmarks and of ``examples/char_lm.py``.
 
-`GPT` is a GPT-2-style decoder-only transformer, `ResNet` a small residual CNN and
+`GPT` is a GPT-2-style decoder-only transformer, `Llama` a Llama-style one
+(RMSNorm, a SwiGLU MLP, no biases), `ResNet` a small residual CNN and
 `MLP` a stack of dense layers (the eager-overhead benchmark calls it outside any
 jit). All are `equinox.Module`s whose leaves are all arrays (hyperparameters are
 static fields), so a model *is* its parameter pytree: it can go straight into
@@ -28,6 +29,9 @@ __all__ = [
     "GPT2_SMALL",
     "MLP",
     "GPTConfig",
+    "LLAMA_BLOCK",
+    "Llama",
+    "LlamaConfig",
     "MLPConfig",
     "ResNet",
     "ResNetConfig",
@@ -68,6 +72,15 @@ GPT2_SMALL = GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, 
 """GPT-2 small: 124M parameters (the embedding tied to the output layer)."""
 
 
+MATMUL: list = []
+"""A stack: while it holds ``f(x, weight)``, `Dense` and the Llama layers multiply with it
+(`benchmarks.gpu`'s flax fp8 variant); read when the model is traced."""
+
+
+def _matmul(x: Array, weight: Array) -> Array:
+    return MATMUL[-1](x, weight) if MATMUL else x @ weight
+
+
 class Dense(eqx.Module):
     """``x @ weight + bias`` over the last axis of an array of any rank."""
 
@@ -79,7 +92,7 @@ class Dense(eqx.Module):
         self.bias = jnp.zeros((d_out,))
 
     def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
-        return x @ self.weight + self.bias
+        return _matmul(x, self.weight) + self.bias
 
 
 def _per_token(layer_norm: eqx.nn.LayerNorm, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
@@ -202,6 +215,87 @@ def cross_entropy(logits: Float[Array, "... n"], labels: Int[Array, "..."]) -> F
 def lm_loss(model: GPT, tokens: Int[Array, "b t"], targets: Int[Array, "b t"]) -> Float[Array, ""]:
     """Next-token cross-entropy of `model` (``targets`` is `tokens` shifted by one)."""
     return cross_entropy(model(tokens), targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a `Llama`: `GPTConfig`'s fields, and the SwiGLU MLP's width."""
+
+    vocab_size: int
+    seq_len: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    d_mlp: int
+
+
+LLAMA_BLOCK = LlamaConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_heads=32, n_layers=4, d_mlp=14336)
+"""Llama-3-8B's decoder block (d=4096, MLP 14336, 32 heads, seq 2048), 4 layers: float32 AdamW state
+(16 bytes per parameter, 3.9 GB a layer) fits an 80 GB GPU beside the activations."""
+
+
+class _Linear(eqx.Module):
+    weight: Float[Array, "d_in d_out"]
+
+    def __init__(self, d_in: int, d_out: int, *, key: PRNGKeyArray):
+        self.weight = jax.random.normal(key, (d_in, d_out)) / math.sqrt(d_in)
+
+    def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
+        return _matmul(x, self.weight)
+
+
+class LlamaBlock(eqx.Module):
+    """Pre-norm block: causal self-attention (no rotary embedding: it adds no matmul), then a SwiGLU MLP."""
+
+    norm1: eqx.nn.RMSNorm
+    qkv: _Linear
+    proj: _Linear
+    norm2: eqx.nn.RMSNorm
+    gate: _Linear
+    up: _Linear
+    down: _Linear
+    n_heads: int = eqx.field(static=True)
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        d, keys = config.d_model, jax.random.split(key, 5)
+        self.norm1, self.norm2 = eqx.nn.RMSNorm(d), eqx.nn.RMSNorm(d)
+        self.qkv, self.proj = _Linear(d, 3 * d, key=keys[0]), _Linear(d, d, key=keys[1])
+        self.gate, self.up = _Linear(d, config.d_mlp, key=keys[2]), _Linear(d, config.d_mlp, key=keys[3])
+        self.down = _Linear(config.d_mlp, d, key=keys[4])
+        self.n_heads = config.n_heads
+
+    def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+        b, t, d = x.shape
+        with jax.named_scope("attention"):
+            q, k, v = jnp.split(self.qkv(_per_token(self.norm1, x)), 3, axis=-1)
+            split_heads = lambda y: y.reshape(b, t, self.n_heads, d // self.n_heads)  # noqa: E731
+            x = x + self.proj(causal_attention(split_heads(q), split_heads(k), split_heads(v)).reshape(b, t, d))
+        with jax.named_scope("mlp"):
+            h = _per_token(self.norm2, x)
+            return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(eqx.Module):
+    """A Llama-style language model: `LlamaBlock`s under `lax.scan`, an untied output layer."""
+
+    embed: Float[Array, "vocab d"]
+    blocks: LlamaBlock
+    norm: eqx.nn.RMSNorm
+    head: _Linear
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray):
+        k_embed, k_blocks, k_head = jax.random.split(key, 3)
+        self.embed = 0.02 * jax.random.normal(k_embed, (config.vocab_size, config.d_model))
+        make_block = lambda k: LlamaBlock(config, key=k)  # noqa: E731
+        self.blocks = eqx.filter_vmap(make_block)(jax.random.split(k_blocks, config.n_layers))
+        self.norm = eqx.nn.RMSNorm(config.d_model)
+        self.head = _Linear(config.d_model, config.vocab_size, key=k_head)
+
+    def __call__(self, tokens: Int[Array, "b t"]) -> Float[Array, "b t vocab"]:
+        """Next-token logits for every position of `tokens`."""
+        x, _ = jax.lax.scan(lambda x, block: (block(x), None), self.embed[tokens], self.blocks)
+        with jax.named_scope("lm_head"):
+            return self.head(_per_token(self.norm, x))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,9 @@ Three families, each in a ``"full"`` size (the figures of RESULTS.md) and a
 * `trace_workloads`: the models of the trace-overhead figure, GPT-2 small
   written three ways (unrolled, under `lax.scan`, unrolled at twice the depth),
   since how long tracing takes depends on how much program text there is;
-* `eager_workload`: the MLP of the eager-overhead figure.
+* `eager_workload`: the MLP of the eager-overhead figure;
+* `llama_workload`: a Llama-style decoder at d=4096 (`benchmarks.gpu`), where
+  float8 matmuls are large enough to pay.
 
 They are built by name from the size alone, so that a worker process
 (`benchmarks.worker`) can rebuild the same workload from a JSON spec.
@@ -27,8 +29,11 @@ import jax.numpy as jnp
 from benchmarks.models import (
     GPT,
     GPT2_SMALL,
+    LLAMA_BLOCK,
     MLP,
     GPTConfig,
+    Llama,
+    LlamaConfig,
     MLPConfig,
     ResNet,
     ResNetConfig,
@@ -41,6 +46,7 @@ __all__ = [
     "SIZES",
     "Workload",
     "eager_workload",
+    "llama_workload",
     "trace_workloads",
     "workloads",
 ]
@@ -215,4 +221,34 @@ def eager_workload(size: str) -> Workload:
         batch=(jax.ShapeDtypeStruct((batch, config.width), jnp.float32),),
         unit="examples",
         items_per_step=batch,
+    )
+
+
+def llama_workload(size: str, n_layers: int | None = None) -> Workload:
+    """A Llama-style decoder (`benchmarks.models.LLAMA_BLOCK`), by size.
+
+    Args:
+        size: ``"full"``: d=4096, MLP 14336, 32 heads, seq 2048, vocab 32000,
+            batch 1; ``"tiny"``: d=64, MLP 224, 4 heads, seq 32, vocab 256, 2
+            layers, batch 2 (runs on a CPU in seconds).
+        n_layers: blocks (default: 4 full, 2 tiny).
+    """
+    _check(size)
+    config, batch = (LLAMA_BLOCK, 1) if size == "full" else (LlamaConfig(256, 32, 64, 4, 2, 224), 2)
+    if n_layers is not None:
+        config = dataclasses.replace(config, n_layers=n_layers)
+    c = config
+    tokens = jax.ShapeDtypeStruct((batch, c.seq_len), jnp.int32)
+    return Workload(
+        key="llama",
+        title=(
+            f"Llama-style decoder ({c.n_layers} layers, d={c.d_model}, MLP {c.d_mlp}, {c.n_heads} heads, "
+            f"seq {c.seq_len}, vocab {c.vocab_size}, batch {batch}, layers under lax.scan)"
+        ),
+        make_model=lambda k: Llama(c, key=k),
+        loss_fn=lm_loss,
+        batch=(tokens, tokens),
+        unit="tokens",
+        items_per_step=batch * c.seq_len,
+        int_high=c.vocab_size,
     )

@@ -162,6 +162,7 @@ def main():
             keep_last_matmul_bf16=False,
             gemm_multiple=1,
             min_contraction=1,
+            keep_small_bf16=None,
         )
     amp_loss = jaxamp.amp(loss_fn, compute_dtype=compute_dtype, float32_gradient_reductions=ARGS.float32_reductions)
     batch_sharding = NamedSharding(mesh, P("dp"))

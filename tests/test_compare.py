@@ -79,7 +79,11 @@ def test_figures_equal_a_direct_computation():
 
 @pytest.mark.parametrize(
     "options",
-    [{"compute_dtype": "fp8"}, {"policy": "p=f32,c=bf16,o=f32"}, {"policy": "p=f32,c=f16,o=f32"}],
+    [
+        {"compute_dtype": jaxamp.fp8.Fp8Recipe(keep_small_bf16=None)},
+        {"policy": "p=f32,c=bf16,o=f32"},
+        {"policy": "p=f32,c=f16,o=f32"},
+    ],
     ids=["fp8", "policy-bf16", "policy-f16"],
 )
 def test_fp8_and_policy_strings(options):

@@ -25,6 +25,9 @@ from jaxamp.fp8._matmul import quantize
 from jaxpr_walk import iter_eqns, matmul_operand_dtypes
 from small_models import SmallCNN, cross_entropy
 
+# These tests' matmuls are small: all of them in float8, the size rule off.
+FP8 = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None)
+
 # Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
 pytestmark = pytest.mark.jax_internals
 
@@ -32,7 +35,7 @@ E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 # Every matmul these small models have in float8: the defaults keep batched,
 # grouped and last matmuls and sizes no float8 GEMM takes in bf16
 # (test_fp8_defaults.py), which would leave little to test here.
-EVERY = Fp8Recipe(attention=True, grouped=True, keep_last_matmul_bf16=False, gemm_multiple=1)
+EVERY = Fp8Recipe(keep_small_bf16=None, attention=True, grouped=True, keep_last_matmul_bf16=False, gemm_multiple=1)
 FLOAT8 = (E4M3, E5M2)
 KEYS = jax.random.split(jax.random.PRNGKey(0), 12)
 
@@ -229,7 +232,7 @@ def test_a_nonfinite_entry_poisons_only_its_row_as_in_bf16(bad):
     x = jax.random.normal(jax.random.PRNGKey(1), (8, 32)).at[3, 5].set(bad)
     q, scale = quantize(x, jnp.float8_e4m3fn)
     assert bool(jnp.isfinite(scale)) and float(scale) == pytest.approx(float(jnp.max(jnp.abs(x.at[3, 5].set(0)))) / 448)
-    for compute_dtype in ("bf16", "fp8"):
+    for compute_dtype in ("bf16", FP8):
         out = amp(lambda x, w: x @ w, compute_dtype=compute_dtype)(x, w)
         rows_hit = np.flatnonzero(~np.all(np.isfinite(np.asarray(out, np.float32)), axis=1))
         assert rows_hit.tolist() == [3], compute_dtype
@@ -462,7 +465,7 @@ def test_everything_but_matmuls_follows_bf16_mode():
             if e.primitive.name in ("tanh", "exp", "reduce_sum")
         ]
 
-    assert dtypes("fp8") == dtypes("bf16")
+    assert dtypes(FP8) == dtypes("bf16")
 
 
 @pytest.mark.newest_only
@@ -514,12 +517,12 @@ def test_bad_compute_dtype_points_at_fp8_mode(compute_dtype, error, match):
 )
 def test_bad_recipe_fields(fields, error, match):
     with pytest.raises(error, match=match):
-        Fp8Recipe(**fields)
+        Fp8Recipe(keep_small_bf16=None, **fields)
 
 
 def test_fp8_with_a_disagreeing_policy():
     with pytest.raises(ValueError, match=r"disagree.*fp8 mode computes in bf16"):
-        amp(_two_layers, compute_dtype="fp8", policy="c=f16")
+        amp(_two_layers, compute_dtype=FP8, policy="c=f16")
 
 
 @pytest.mark.newest_only

@@ -147,7 +147,7 @@ def test_gradients_and_forward_mode_equal_float32_where_float8_is_exact(scaling)
         h = x @ w1
         return jnp.sum(((h * h) @ w2) * c)
 
-    recipe = jaxamp.fp8.Fp8Recipe(scaling=scaling, keep_last_matmul_bf16=False)
+    recipe = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, scaling=scaling, keep_last_matmul_bf16=False)
     fp8 = jaxamp.amp(loss, compute_dtype=recipe)
     for got, want in zip(jax.grad(fp8, (0, 1))(w1, w2), jax.grad(loss, (0, 1))(w1, w2)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -191,7 +191,9 @@ def test_sizes_the_block_does_not_divide_run_tensorwise_and_say_why():
     notes = str(
         jaxamp.explain(
             lambda a, b: a @ b,
-            compute_dtype=jaxamp.fp8.Fp8Recipe(scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1),
+            compute_dtype=jaxamp.fp8.Fp8Recipe(
+                keep_small_bf16=None, scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1
+            ),
         )(x, w)
     )
     assert "(mxfp8: rows 8 is not a multiple of the block size 32)" in notes or "contraction 48" in notes, notes
@@ -201,7 +203,7 @@ def test_a_matmul_a_recipe_cannot_take_warns_once_and_says_why(monkeypatch):
     from jaxamp.transform import _interpreter
 
     monkeypatch.setattr(_interpreter, "_warned", set())
-    recipe = jaxamp.fp8.Fp8Recipe(scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1)
+    recipe = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, scaling="mxfp8", keep_last_matmul_bf16=False, gemm_multiple=1)
     x, w = jnp.ones((8, 48)), jnp.ones((48, 64))
     with pytest.warns(
         UserWarning,
@@ -213,7 +215,9 @@ def test_a_matmul_a_recipe_cannot_take_warns_once_and_says_why(monkeypatch):
         warnings.simplefilter("error")  # said once
         jax.grad(lambda w: jnp.sum(jaxamp.amp(lambda a, b: a @ b, compute_dtype=recipe)(x, w)))(w)
 
-    rowwise = jaxamp.fp8.Fp8Recipe(scaling="rowwise", keep_last_matmul_bf16=False, gemm_multiple=1)
+    rowwise = jaxamp.fp8.Fp8Recipe(
+        keep_small_bf16=None, scaling="rowwise", keep_last_matmul_bf16=False, gemm_multiple=1
+    )
     image, kernel = jnp.ones((2, 32, 8, 8)), jnp.ones((32, 32, 3, 3))
 
     def conv(image, kernel):
@@ -226,7 +230,7 @@ def test_a_matmul_a_recipe_cannot_take_warns_once_and_says_why(monkeypatch):
 
 def test_block_recipes_reject_power_of_two_scales_off():
     with pytest.raises(ValueError, match="scales by powers of two"):
-        jaxamp.fp8.Fp8Recipe(scaling="mxfp8", power_of_two_scales=False)
+        jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, scaling="mxfp8", power_of_two_scales=False)
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "mxfp8", "blockwise"])
@@ -261,4 +265,4 @@ def test_gradient_format_chooses_the_cotangent_dtype_of_every_gradient_matmul(sc
 
 def test_gradient_format_rejects_other_names():
     with pytest.raises(ValueError, match=r"gradient_format must be None, 'e4m3' or 'e5m2', got 'e6m1'"):
-        jaxamp.fp8.Fp8Recipe(gradient_format="e6m1")
+        jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, gradient_format="e6m1")

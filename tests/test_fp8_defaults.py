@@ -20,6 +20,9 @@ from jaxamp import Fp8Recipe
 
 from jaxpr_walk import matmul_operand_dtypes
 
+# These tests' matmuls are small: all of them in float8, the size rule off.
+FP8 = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None)
+
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 BF16 = np.dtype(jnp.bfloat16)
 KEYS = jax.random.split(jax.random.key(0), 8)
@@ -48,7 +51,7 @@ def _details(recipe):
 
 
 def test_the_defaults_keep_attention_odd_sizes_and_the_logits_in_bf16_and_say_why():
-    details = [detail for _, detail in _details("fp8")]
+    details = [detail for _, detail in _details(FP8)]
     assert details[0].startswith("float8 e4m3 x e4m3")
     kept = details[1:]
     assert kept == [
@@ -57,15 +60,15 @@ def test_the_defaults_keep_attention_odd_sizes_and_the_logits_in_bf16_and_say_wh
         "kept bf16: contraction size 24 is not a multiple of 16 (float8 GEMMs need it; gemm_multiple)",
         "kept bf16: the program's last matmul (keep_last_matmul_bf16)",
     ], kept
-    forward = [dts for _, dts in matmul_operand_dtypes(jax.make_jaxpr(jaxamp.amp(_model, compute_dtype="fp8"))(*ARGS))]
+    forward = [dts for _, dts in matmul_operand_dtypes(jax.make_jaxpr(jaxamp.amp(_model, compute_dtype=FP8))(*ARGS))]
     assert forward == [(E4M3, E4M3)] + [(BF16, BF16)] * 4
 
 
 def test_each_default_can_be_turned_off():
-    every = Fp8Recipe(attention=True, keep_last_matmul_bf16=False, gemm_multiple=8)
+    every = Fp8Recipe(keep_small_bf16=None, attention=True, keep_last_matmul_bf16=False, gemm_multiple=8)
     assert all(detail.startswith("float8 e4m3 x e4m3") for _, detail in _details(every))
     # Output features alone, with an aligned contraction.
-    report = jaxamp.explain(lambda x, w: jnp.sum(x @ w) + jnp.sum(x @ x.T), compute_dtype="fp8")(
+    report = jaxamp.explain(lambda x, w: jnp.sum(x @ w) + jnp.sum(x @ x.T), compute_dtype=FP8)(
         jnp.ones((32, 64)), jnp.ones((64, 24))
     )
     assert report.kept_out_of_fp8[0].detail == (
@@ -74,7 +77,7 @@ def test_each_default_can_be_turned_off():
 
 
 def test_gradients_with_the_defaults_stay_close_to_float32():
-    grads = jax.grad(jaxamp.amp(_model, compute_dtype="fp8"), (1, 2))(*ARGS)
+    grads = jax.grad(jaxamp.amp(_model, compute_dtype=FP8), (1, 2))(*ARGS)
     want = jax.grad(_model, (1, 2))(*ARGS)
     for got, ref in zip(grads, want):
         assert got.dtype == jnp.float32
@@ -91,13 +94,15 @@ def _experts(rows=(32, 96)):
 def test_grouped_matmuls_stay_bf16_unless_asked():
     lhs, rhs, sizes = _experts()
     f = lambda lhs, rhs: jnp.sum(lax.ragged_dot(lhs, rhs, sizes) @ jnp.ones((32, 16)))  # noqa: E731
-    report = jaxamp.explain(f, compute_dtype="fp8")(lhs, rhs)
+    report = jaxamp.explain(f, compute_dtype=FP8)(lhs, rhs)
     grouped = next(r for r in report.rows if r.primitive == "ragged_dot_general")
     assert grouped.detail == "kept bf16: a grouped matmul (Fp8Recipe(grouped=True) takes it, with a scale per group)"
-    report = jaxamp.explain(f, compute_dtype=Fp8Recipe(grouped=True))(lhs, rhs)
+    report = jaxamp.explain(f, compute_dtype=Fp8Recipe(keep_small_bf16=None, grouped=True))(lhs, rhs)
     grouped = next(r for r in report.rows if r.primitive == "ragged_dot_general")
     assert grouped.detail.endswith("scaling: current, per group")
-    jaxpr = jax.make_jaxpr(jax.grad(jaxamp.amp(f, compute_dtype=Fp8Recipe(grouped=True)), (0, 1)))(lhs, rhs)
+    jaxpr = jax.make_jaxpr(
+        jax.grad(jaxamp.amp(f, compute_dtype=Fp8Recipe(keep_small_bf16=None, grouped=True)), (0, 1))
+    )(lhs, rhs)
     ragged = [dts for name, dts in matmul_operand_dtypes(jaxpr) if name == "ragged_dot_general"]
     assert sorted(tuple(sorted(np.dtype(d).name for d in dts[:2])) for dts in ragged) == sorted(
         [("float8_e4m3fn", "float8_e4m3fn")] + [("float8_e4m3fn", "float8_e5m2")] * 2
@@ -118,7 +123,9 @@ def test_an_expert_with_small_values_keeps_its_precision():
     lhs = lhs.at[32:].multiply(1e-5)
     rhs = rhs.at[1].multiply(1e-5)
     want = lax.ragged_dot(lhs, rhs, sizes)
-    per_group = jaxamp.amp(lambda a, b: lax.ragged_dot(a, b, sizes), compute_dtype=Fp8Recipe(grouped=True))(lhs, rhs)
+    per_group = jaxamp.amp(
+        lambda a, b: lax.ragged_dot(a, b, sizes), compute_dtype=Fp8Recipe(keep_small_bf16=None, grouped=True)
+    )(lhs, rhs)
     assert _relative(per_group[32:].astype(jnp.float32), want[32:]) < 0.1
     assert _relative(per_group[:32].astype(jnp.float32), want[:32]) < 0.1
     # The same product with one scale per tensor (the other matmuls' recipe).
@@ -147,7 +154,7 @@ def test_grouped_gradients_equal_float32_on_exact_values():
     def loss(lhs, rhs):
         return jnp.sum(lax.ragged_dot(lhs, rhs, sizes) * weights)
 
-    recipe = Fp8Recipe(grouped=True, keep_last_matmul_bf16=False)
+    recipe = Fp8Recipe(keep_small_bf16=None, grouped=True, keep_last_matmul_bf16=False)
     for got, want in zip(
         jax.jit(jax.grad(jaxamp.amp(loss, compute_dtype=recipe), (0, 1)))(lhs, rhs), jax.grad(loss, (0, 1))(lhs, rhs)
     ):
@@ -161,6 +168,10 @@ def test_grouped_gradients_equal_float32_on_exact_values():
         ({"gemm_multiple": 0}, ValueError, r"Fp8Recipe.gemm_multiple must be at least 1, got 0"),
         ({"attention": 1}, TypeError, r"Fp8Recipe.attention must be a bool, got 1 \(int\)"),
         ({"grouped": "yes"}, TypeError, r"Fp8Recipe.grouped must be a bool, got 'yes' \(str\)"),
+        ({"keep_small_bf16": [4096, 1024]}, TypeError, r"keep_small_bf16 must be None or a tuple of two ints"),
+        ({"keep_small_bf16": (4096,)}, TypeError, r"keep_small_bf16 must be None or a tuple of two ints"),
+        ({"keep_small_bf16": (4096.0, 1024)}, TypeError, r"keep_small_bf16 must be None or a tuple of two ints"),
+        ({"keep_small_bf16": (-1, 1024)}, ValueError, r"keep_small_bf16 sizes must be at least 0, got \(-1, 1024\)"),
     ],
 )
 def test_bad_recipe_fields(fields, error, match):
@@ -170,7 +181,7 @@ def test_bad_recipe_fields(fields, error, match):
 
 def test_the_default_recipe():
     assert dataclasses.asdict(Fp8Recipe()) == {
-        "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "min_contraction": 16, "gemm_multiple": 16,
+        "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "keep_small_bf16": None, "min_contraction": 16, "gemm_multiple": 16,
         "keep_last_matmul_bf16": True, "attention": False, "grouped": False, "gradient_format": None,
         "fast_accumulation": "forward", "amax_history_length": 1024, "amax_compute_algo": "max", "margin": 0,
     }  # fmt: skip

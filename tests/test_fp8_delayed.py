@@ -25,6 +25,9 @@ import jaxamp
 
 from jaxpr_walk import matmul_operand_dtypes
 
+# These tests' matmuls are small: all of them in float8, the size rule off.
+FP8 = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None)
+
 # Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
 pytestmark = pytest.mark.jax_internals
 
@@ -33,7 +36,9 @@ LENGTH = 4
 
 
 def _recipe(**kw):
-    return jaxamp.fp8.Fp8Recipe(scaling="delayed", amax_history_length=LENGTH, keep_last_matmul_bf16=False, **kw)
+    return jaxamp.fp8.Fp8Recipe(
+        keep_small_bf16=None, scaling="delayed", amax_history_length=LENGTH, keep_last_matmul_bf16=False, **kw
+    )
 
 
 def _mlp(params, x, c):
@@ -73,7 +78,7 @@ def test_init_finds_every_float8_matmul_with_its_scopes():
     }  # fmt: skip
     assert all(not np.asarray(h).any() for h in state.histories.values())
     # The last matmul stays bf16 by default: one site.
-    default = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(scaling="delayed"))
+    default = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, scaling="delayed"))
     assert list(jaxamp.fp8.init_fp8_state(default, *_problem()).histories) == ["dot_general"]
 
 
@@ -83,7 +88,7 @@ def test_first_step_equals_current_scaling_and_its_gradient_holds_the_amaxes():
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
     state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     value, (grads, observed) = _step(loss)(params, state, x, c)
-    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False))
+    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, keep_last_matmul_bf16=False))
     want_value, want = jax.jit(jax.value_and_grad(current))(params, x, c)
     assert value == want_value
     for name in params:
@@ -488,11 +493,11 @@ def test_errors_name_the_fix():
     with pytest.raises(TypeError, match=r"fp8_state must be a jaxamp\.fp8\.Fp8State"):
         loss(params, x, c, fp8_state={"dot_general": jnp.zeros((3, LENGTH))})
     with pytest.raises(TypeError, match=r"fp8_state= is the amax histories .* which keeps no state"):
-        jaxamp.amp(_mlp, compute_dtype="fp8")(params, x, c, fp8_state=jaxamp.fp8.init_fp8_state(loss, params, x, c))
+        jaxamp.amp(_mlp, compute_dtype=FP8)(params, x, c, fp8_state=jaxamp.fp8.init_fp8_state(loss, params, x, c))
     with pytest.raises(TypeError, match="init_fp8_state takes a function made by jaxamp.amp"):
         jaxamp.fp8.init_fp8_state(_mlp, params, x, c)
     with pytest.raises(TypeError, match="whose fp8 recipe is"):
-        jaxamp.fp8.init_fp8_state(jaxamp.amp(_mlp, compute_dtype="fp8"), params, x, c)
+        jaxamp.fp8.init_fp8_state(jaxamp.amp(_mlp, compute_dtype=FP8), params, x, c)
     # A state made for another program (another batch of layers).
     ws, xl = _scan_problem()
     other = jaxamp.fp8.init_fp8_state(jaxamp.amp(_layers, compute_dtype=_recipe()), ws, xl)
@@ -510,7 +515,7 @@ def test_errors_name_the_fix():
         (dict(amax_history_length=2.0), TypeError),
     ):
         with pytest.raises(kind, match="Fp8Recipe"):
-            jaxamp.fp8.Fp8Recipe(scaling="delayed", **bad)
+            jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, scaling="delayed", **bad)
 
 
 @pytest.mark.newest_only
@@ -611,7 +616,7 @@ def test_an_eager_call_runs_the_delayed_recipe():
     loss = jaxamp.amp(_mlp, compute_dtype=_recipe())
     state = jaxamp.fp8.init_fp8_state(loss, params, x, c)
     # The first step, eagerly: tensorwise's eager result, bit for bit.
-    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False))
+    current = jaxamp.amp(_mlp, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, keep_last_matmul_bf16=False))
     assert loss(params, x, c, fp8_state=state) == current(params, x, c)
     state = state.update(_step(loss)(params, state, x, c)[1][1])
     # Eager calls are not cached (the histories are this call's inputs): both run.

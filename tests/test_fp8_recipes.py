@@ -22,7 +22,9 @@ KEYS = jax.random.split(jax.random.key(0), 8)
 
 
 def _recipe(scaling, **fields):
-    return Fp8Recipe(scaling=scaling, keep_last_matmul_bf16=False, attention=True, gemm_multiple=1, **fields)
+    return Fp8Recipe(
+        keep_small_bf16=None, scaling=scaling, keep_last_matmul_bf16=False, attention=True, gemm_multiple=1, **fields
+    )
 
 
 def _row_errors(got, want):
@@ -103,9 +105,9 @@ def test_power_of_two_scales():
     assert mantissa == 0.5 and float(jnp.max(jnp.abs(x))) / float(scale) <= 448
     _, exact = quantize(x, jnp.float8_e4m3fn)
     assert float(exact) <= float(scale) < 2 * float(exact)
-    assert Fp8Recipe(scaling="rowwise").rounds_scales_to_powers_of_two
-    assert not Fp8Recipe().rounds_scales_to_powers_of_two
-    assert Fp8Recipe(power_of_two_scales=True).rounds_scales_to_powers_of_two
+    assert Fp8Recipe(keep_small_bf16=None, scaling="rowwise").rounds_scales_to_powers_of_two
+    assert not Fp8Recipe(keep_small_bf16=None).rounds_scales_to_powers_of_two
+    assert Fp8Recipe(keep_small_bf16=None, power_of_two_scales=True).rounds_scales_to_powers_of_two
 
 
 def test_explain_names_the_recipe():
@@ -115,7 +117,9 @@ def test_explain_names_the_recipe():
     x, w = jnp.ones((32, 64)), jnp.ones((64, 48))
     detail = lambda recipe: jaxamp.explain(f, compute_dtype=recipe)(x, w).rows[0].detail  # noqa: E731
     assert detail(_recipe("tensorwise")).endswith("scaling: current")
-    assert detail(_recipe("rowwise")).endswith("scaling: current, rowwise, power-of-two scales")
+    assert detail(_recipe("rowwise")).endswith(
+        "scaling: current, rowwise, power-of-two scales; the row scales an elementwise pass after each float8 GEMM"
+    )
     assert "(weight gradient bf16); scaling: current, rowwise" in detail(_recipe("rowwise_with_gw_hp"))
     assert detail(_recipe("tensorwise", power_of_two_scales=True)).endswith("scaling: current, power-of-two scales")
     assert detail(_recipe("tensorwise", fast_accumulation="none")).endswith("scaling: current; fast accumulation: none")
@@ -135,7 +139,7 @@ def test_explain_names_the_recipe():
 )
 def test_bad_recipe_fields(fields, error, match):
     with pytest.raises(error, match=match):
-        Fp8Recipe(**fields)
+        Fp8Recipe(keep_small_bf16=None, **fields)
 
 
 def test_rowwise_with_gw_hp_makes_the_weight_gradient_bf16_accurate():
@@ -186,4 +190,4 @@ def test_fast_accumulation_is_recorded_on_each_passs_float8_gemms(scaling):
 
 def test_fast_accumulation_rejects_other_names():
     with pytest.raises(ValueError, match=r"fast_accumulation must be one of \('forward', 'all', 'none'\), got 'bwd'"):
-        jaxamp.fp8.Fp8Recipe(fast_accumulation="bwd")
+        jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, fast_accumulation="bwd")

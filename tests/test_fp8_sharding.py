@@ -39,7 +39,7 @@ from test_sharding_matrix import LAYOUTS, _loss_for, _mesh, _problem, _shardings
 # Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
 pytestmark = pytest.mark.jax_internals
 
-FP8 = jaxamp.fp8.Fp8Recipe(min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
+FP8 = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 TOLERANCE = 5e-2
 

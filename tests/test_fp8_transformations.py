@@ -28,6 +28,9 @@ from jaxamp import _compat
 
 from jaxpr_walk import matmul_operand_dtypes
 
+# These tests' matmuls are small: all of them in float8, the size rule off.
+FP8 = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None)
+
 # Runs on the oldest supported JAX too (.ci/run): it touches JAX internals.
 pytestmark = pytest.mark.jax_internals
 
@@ -151,7 +154,7 @@ def test_a_hessian_in_fp8_mode_is_bf16_modes_on_random_values(fresh_warnings):
         return jnp.sum(jnp.tanh(x @ w1) @ w2) ** 2
 
     # Both matmuls in float8 (they share jnp.matmul's body, the last matmul's).
-    recipe = jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False)
+    recipe = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, keep_last_matmul_bf16=False)
     with pytest.warns(UserWarning, match="differentiated twice"):
         fp8 = jax.jit(jax.hessian(jaxamp.amp(loss, compute_dtype=recipe), (0, 1)))(w1, w2)
     bf16 = jax.jit(jax.hessian(jaxamp.amp(loss, compute_dtype="bf16"), (0, 1)))(w1, w2)
@@ -248,7 +251,7 @@ def test_random_values_forward_mode_agrees_with_reverse_mode_within_float8_round
     def loss(w1):
         return jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2) ** 2)
 
-    fp8 = jaxamp.amp(loss, compute_dtype="fp8")
+    fp8 = jaxamp.amp(loss, compute_dtype=FP8)
     reverse = float(jnp.vdot(jax.grad(fp8)(w1), v))
     forward = float(jax.jvp(fp8, (w1,), (v,))[1])
     exact = float(jax.jvp(loss, (w1,), (v,))[1])

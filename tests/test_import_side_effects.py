@@ -124,7 +124,7 @@ def test_fp8_on_a_mesh_installs_rules_for_jaxamps_own_operations_only():
     changes = _import_jaxamp_and("""
         import jax, jax.numpy as jnp
         from jax.sharding import PartitionSpec as P
-        recipe = jaxamp.fp8.Fp8Recipe(min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
+        recipe = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
         mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
         loss = jaxamp.amp(lambda w, x: jnp.sum((x @ w).astype(jnp.float32) ** 2), compute_dtype=recipe)
         with jax.set_mesh(mesh):

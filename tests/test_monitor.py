@@ -215,7 +215,7 @@ def test_fp8_operands_report_their_scale_and_the_amax_quantised():
         with jax.named_scope("last"):
             return jnp.sum(h @ params[2])
 
-    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False))
+    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, keep_last_matmul_bf16=False))
     _, stats = jax.jit(jaxamp.monitoring.monitor(jax.value_and_grad(amp_loss)))((w1, w2, w3), x)
     rows = {(r["direction"], r["scope"], r["name"]): r for r in stats.rows()}
     lhs = rows[("forward", "middle", "dot_general[0].lhs")]
@@ -243,7 +243,7 @@ def test_fp8_on_an_auto_mesh_reports_each_products_operands():
             h = jnp.tanh(x @ w)
         return jnp.sum((h @ w).astype(jnp.float32) ** 2)
 
-    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_last_matmul_bf16=False))
+    amp_loss = jaxamp.amp(loss, compute_dtype=jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, keep_last_matmul_bf16=False))
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("error")
         xs = jax.device_put(x, jax.NamedSharding(mesh, P("data")))

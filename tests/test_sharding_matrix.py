@@ -151,7 +151,7 @@ def _policy(loss):
 
 # Every matmul of the small MLP in float8, its last and sizes no float8 GEMM
 # takes included (the defaults keep those in bf16).
-_EVERY_FP8 = jaxamp.fp8.Fp8Recipe(min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
+_EVERY_FP8 = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None, min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False)
 
 APIS = {
     "amp bf16": (functools.partial(_amp, compute_dtype="bf16"), 3e-2),

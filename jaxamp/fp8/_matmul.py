@@ -120,6 +120,8 @@ def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
             + ("mxfp8, blocks of 32, e8m0 scales" if recipe.scaling == "mxfp8" else
                "blockwise, 1x128 tiles (the right operand 128x128), power-of-two scales")
             + _accumulation(recipe)
+            + "; not one float8 GEMM on a GPU: a float8 product per block of the contraction, "
+            "whose float32 partial results (blocks x the result's size) are rescaled and summed"
         )  # fmt: skip
     elif recipe.scaling == "delayed":
         scaling = f"delayed, from the {recipe.amax_compute_algo} of {recipe.amax_history_length} steps' amaxes"
@@ -133,6 +135,9 @@ def formats(primitive_name: str, recipe: Fp8Recipe | None = None) -> str:
         scaling = "current"
     if recipe.rounds_scales_to_powers_of_two and primitive_name != "ragged_dot_general":
         scaling += ", power-of-two scales"
+    if scaling.startswith("current, rowwise"):
+        # XLA's GPU GEMM rewriter folds per-tensor scales into the float8 GEMM, not per-row ones.
+        scaling += "; the row scales an elementwise pass after each float8 GEMM"
     return f"float8 e4m3 x e4m3 -> f32; {backward}; scaling: {scaling}{_accumulation(recipe)}"
 
 
@@ -335,6 +340,12 @@ class Fp8MatmulRule:
         for what, size in (("contraction size", _gemm_contraction(eqn)), ("output features", output_features(eqn))):
             if size % multiple:
                 return f"{what} {size} is not a multiple of {multiple} (float8 GEMMs need it; gemm_multiple)"
+        small = self.recipe.keep_small_bf16
+        if small is not None and contraction <= small[0] and output_features(eqn) <= small[1]:
+            return (
+                f"too small to gain: contraction size {contraction} <= {small[0]} and output features "
+                f"{output_features(eqn)} <= {small[1]} (keep_small_bf16; quantising costs more than float8 saves)"
+            )
         flops = equation_flops(eqn)
         if flops < self.recipe.min_flops:
             return f"{flops} FLOPs < min_flops {self.recipe.min_flops}"

@@ -90,6 +90,17 @@ class Fp8Recipe:
             operand, which only a large enough matmul earns back; where that
             crossover lies depends on the GPU and was not measured here, so the
             default, 0, keeps no matmul out on this ground (see docs/float8.md, "Accuracy, and when it pays").
+        keep_small_bf16: ``(K, N)``: a matmul whose contraction size is at
+            most K and whose output features (a dot's right-hand free size, a
+            convolution's output features) at most N stays in bfloat16; None
+            (the default, for now) keeps none out on this ground. ``(4096,
+            1024)`` are the sizes below which torchao's H100 measurements found
+            a tensorwise float8 linear layer slower than bfloat16 (its
+            ``auto_filter_for_recipe``):
+            each float8 matmul adds passes over its operands (an amax and a
+            quantisation of each, and of the cotangent) that only a large
+            enough GEMM earns back. The rule reads the weight's sizes, not the
+            batch, so a step keeps the same matmuls in float8 at any batch size.
         min_contraction: matmuls whose contraction (summed-over) size is
             smaller stay in bfloat16. Default 16: below it float8 gains no
             speed (float8 GEMMs take dimensions in multiples of 16) and each
@@ -155,7 +166,7 @@ class Fp8Recipe:
         TypeError: a field of the wrong type.
         ValueError: an unknown ``scaling``, ``gradient_format`` or
             ``fast_accumulation`` or ``amax_compute_algo``, a negative
-            ``min_flops`` or ``margin``, a ``min_contraction``,
+            ``min_flops``, ``margin`` or ``keep_small_bf16`` size, a ``min_contraction``,
             ``gemm_multiple`` or ``amax_history_length`` below 1,
             or ``power_of_two_scales=False`` with a block recipe.
     """
@@ -163,6 +174,7 @@ class Fp8Recipe:
     scaling: str = "tensorwise"
     power_of_two_scales: bool | None = None
     min_flops: int = 0
+    keep_small_bf16: tuple[int, int] | None = None
     min_contraction: int = 16
     gemm_multiple: int = 16
     keep_last_matmul_bf16: bool = True
@@ -188,6 +200,16 @@ class Fp8Recipe:
                 raise TypeError(f"Fp8Recipe.{name} must be an int, got {value!r} ({type(value).__name__}).")
             if value < least:
                 raise ValueError(f"Fp8Recipe.{name} must be at least {least}, got {value}.")
+        small = self.keep_small_bf16
+        if small is not None:
+            if not (
+                isinstance(small, tuple)
+                and len(small) == 2
+                and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in small)
+            ):
+                raise TypeError(f"Fp8Recipe.keep_small_bf16 must be None or a tuple of two ints (K, N), got {small!r}.")
+            if min(small) < 0:
+                raise ValueError(f"Fp8Recipe.keep_small_bf16 sizes must be at least 0, got {small}.")
         if self.scaling not in SCALINGS:
             raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}.")
         if self.scaling in BLOCK_SCALINGS and self.power_of_two_scales is False:

@@ -114,6 +114,13 @@ def _chosen(side: str, found: tuple[Any, Any]) -> Any:
     return found[0] if side == "lhs" else found[1]
 
 
+def _off_mesh(*xs: Any) -> bool:
+    """Whether no mesh types `xs` (abstract values or arrays) or the context: JAX's transpose rules place
+    the gradient matmuls there."""
+    avals: list[Any] = [x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x) for x in xs]
+    return jax.sharding.get_abstract_mesh().empty and all(a.sharding.mesh.empty for a in avals)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tensorwise:
     """One scale per operand and per cotangent; float8 residuals.
@@ -153,6 +160,16 @@ class Tensorwise:
     def cotangent(self, side, other, aval, g, rest):
         q, s = other
         q_g, s_g = self.quantize_cotangent(g, rest)
+        if self.primitive.name == "dot_general" and _off_mesh(aval, q):
+            # The scales multiply the float8 product itself, before the
+            # transpose into `side`'s layout (the same values): XLA's GPU GEMM
+            # rewriter folds ``dot(f8, f8) * broadcast(scalar)`` into the
+            # float8 GEMM's scale operands, and a transpose in between hides it.
+            lhs_ndim, rhs_ndim = _pair(side, aval.ndim, q.ndim)
+            dims, order = _gradient_dims(self.params["dimension_numbers"], side, lhs_ndim, rhs_ndim)
+            params = _accumulating(self.params, self.precisions[1])
+            d = lax.dot_general(q_g, q, dims, params.get("precision"), preferred_element_type=_F32)
+            return lax.transpose(d * (s_g * s), order).astype(aval.dtype)
         found = _compat.matmul_cotangents(
             self.primitive,
             q_g,
