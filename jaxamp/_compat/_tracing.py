@@ -16,7 +16,7 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -201,6 +201,14 @@ def eager_trace_context() -> Any:
         return None
 
 
+def _enclosing_traces() -> Iterator[Any]:
+    """The caller's trace and those around it, innermost first."""
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
+
+
 def staging() -> bool:
     """Whether the caller runs where values are staged into a program (under `jax.jit`, a scan body...).
 
@@ -209,12 +217,7 @@ def staging() -> bool:
     read anew on each call, while a staged program keeps it as a constant.
     """
     try:
-        trace = _core.trace_ctx.trace
-        while trace is not None:
-            if isinstance(trace, _pe.DynamicJaxprTrace):
-                return True
-            trace = getattr(trace, "parent_trace", None)
-        return False
+        return any(isinstance(t, _pe.DynamicJaxprTrace) for t in _enclosing_traces())
     except _DRIFT_ERRORS:  # pragma: no cover - future JAX
         return False
 
@@ -233,14 +236,11 @@ def compiling() -> bool:
     the kind of trace cannot be read.
     """
     try:
-        trace = _core.trace_ctx.trace
-        while trace is not None:
-            if isinstance(trace, _pe.DynamicJaxprTrace):
-                kind = getattr(getattr(trace.frame, "debug_info", None), "traced_for", None)
-                if kind not in _CONTROL_FLOW_TRACES:
-                    return True
-            trace = getattr(trace, "parent_trace", None)
-        return False
+        return any(
+            isinstance(t, _pe.DynamicJaxprTrace)
+            and getattr(getattr(t.frame, "debug_info", None), "traced_for", None) not in _CONTROL_FLOW_TRACES
+            for t in _enclosing_traces()
+        )
     except _DRIFT_ERRORS:  # pragma: no cover - future JAX
         return staging()
 
@@ -256,12 +256,7 @@ def forward_mode() -> bool:
     if not getattr(jax.config, "jax_use_direct_linearize", True):
         return False
     try:
-        trace = _core.trace_ctx.trace
-        while trace is not None:
-            if isinstance(trace, _ad.JVPTrace):
-                return True
-            trace = getattr(trace, "parent_trace", None)
-        return False
+        return any(isinstance(t, _ad.JVPTrace) for t in _enclosing_traces())
     except _DRIFT_ERRORS:  # pragma: no cover - future JAX
         return False
 
