@@ -7,7 +7,8 @@ doubles. Checked, on both paths (``amp(loss_scale=opt_state)`` with
 `DynamicScalerState`): a scale forced to double and halve between training
 steps leaves the gradients' error against float32 where it was; the stored
 cotangent amax is the unscaled cotangent's; and any sequence of power-of-two
-scales gives the unscaled run's gradients and histories bit for bit.
+scales gives the unscaled run's gradients and histories bit for bit, also
+in a ``shard_map`` body (which takes the scale as an input).
 """
 
 import jax
@@ -17,6 +18,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import jaxamp
 
@@ -134,3 +136,30 @@ def test_any_power_of_two_scales_give_the_unscaled_run_bit_for_bit(exponents):
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         scaled_state, unscaled_state = scaled_state.update(observed), unscaled_state.update(want_observed)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_shard_map_body_takes_the_scale_as_it_takes_the_histories(check_vma):
+    # The body cannot close over the caller's values: the scale is passed in beside the histories.
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def loss(params, x, c):
+        body = lambda p, x, c: jax.lax.psum(_mlp(p, x, c), "dp")  # noqa: E731
+        specs = (P(), P("dp"), P("dp"))
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=check_vma)(params, x, c)
+
+    params, x = _problem()
+    c = _cotangent(0)
+    plain = jaxamp.amp(loss, compute_dtype=RECIPE)
+    scaled = jaxamp.amp(loss, compute_dtype=RECIPE, loss_scale=jnp.float32(2.0**8))
+    results = []
+    for fn in (plain, scaled):
+        grad = jax.jit(jax.grad(lambda p, s, fn=fn: fn(p, x, c, fp8_state=s), argnums=(0, 1)))
+        state = jaxamp.fp8.init_fp8_state(plain, params, x, c)
+        with jax.set_mesh(mesh):
+            _, observed = grad(params, state)
+            results.append(grad(params, state.update(observed)))  # the second step scales by the history
+    head = list(results[1][1].histories)[-1]
+    assert float(results[1][1].histories[head][2, 0]) == float(jnp.max(jnp.abs(c)))
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
