@@ -10,6 +10,7 @@ from typing import Any
 from ._eager_cache import EagerCache
 from ._options import UNSET, AmpOptions
 from .fp8._state import Fp8State
+from .scaling._backward_scale import backward_scale
 from .scaling._in_grad import LossScaling
 
 __all__ = ["amp"]
@@ -135,8 +136,15 @@ def amp(
     def amp_fn(*args, **kwargs):
         if delayed:
             state = _delayed_state(kwargs.pop("fp8_state", None))
+
             # Not cached eagerly: the histories are inputs of this call only.
-            run = functools.partial(options.run, fn, args, kwargs, site_state=state.site_state())
+            def run(**hooks: Any) -> Any:
+                # Read inside `scaling.run`, which sets this call's own scale
+                # (on top of an enclosing scaler's): the histories keep
+                # true-scale cotangent amaxes (`jaxamp.scaling._backward_scale`).
+                scale = backward_scale()
+                return options.run(fn, args, kwargs, site_state=state.site_state(), cotangent_scale=scale, **hooks)
+
             return run() if scaling is None else scaling.run(run, (args, kwargs))
         if "fp8_state" in kwargs and not _takes_keyword(fn, "fp8_state"):
             raise TypeError(

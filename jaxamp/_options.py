@@ -16,6 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import _compat
 from ._casting import as_array, cast_value
@@ -83,6 +84,7 @@ class AmpOptions:
         wrap_outputs: Callable[[list], list] | None = None,
         keep_state: Callable[[Any, list], Any] | None = None,
         around_custom_vjp: Any = None,
+        cotangent_scale: Any = None,
     ) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp.
 
@@ -105,6 +107,10 @@ class AmpOptions:
         commits no module state from a non-finite forward pass).
 
         `around_custom_vjp`: see `AmpContext.around_custom_vjp`.
+
+        `cotangent_scale`: the scalar the backward pass multiplies the
+        program's cotangents by (a loss scale applied around this call), or
+        None; rules read it from the site state (`SiteState.cotangent_scale`).
         """
         with _collection_paused():
             closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs, keep_state)
@@ -118,7 +124,7 @@ class AmpOptions:
             # jit), like the user's own code: calls keep their jaxprs (see
             # `_compat.trace_keeping_calls`), so JAX differentiates each
             # distinct body once and source lines stay the user's.
-            with _site_state.threading(self._site_state(site_state, inline)):
+            with _site_state.threading(self._site_state(site_state, inline, cotangent_scale)):
                 outs = self._evaluate(closed, flat_args, num_outs, ctx)
             if wrap_outputs is not None:
                 outs[:num_outs] = wrap_outputs(outs[:num_outs])
@@ -137,12 +143,16 @@ class AmpOptions:
                 )
         return found
 
-    def _site_state(self, given: Any, inline: bool) -> _site_state.SiteState | None:
+    def _site_state(self, given: Any, inline: bool, cotangent_scale: Any = None) -> _site_state.SiteState | None:
         if self.fp8 is None or self.fp8.scaling != "delayed" or inline:
             # `inline` evaluates loop bodies per iteration, where stacked
             # values have no place: its matmuls say they run from live values.
             return None
-        return _site_state.SiteState() if given is None else given
+        state = _site_state.SiteState() if given is None else given
+        if cotangent_scale is None:
+            return state
+        # Not differentiated: a factor of the backward pass, not an input of the loss.
+        return dataclasses.replace(state, cotangent_scale=lax.stop_gradient(jnp.asarray(cotangent_scale, jnp.float32)))
 
     def rewrite(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list, Callable, bool]:
         """amp's program for ``fn(*args, **kwargs)`` as a jaxpr (what eager calls cache).

@@ -73,8 +73,8 @@ class Scheme(Protocol):
         """`side`'s cotangent from the product's cotangent `g`; `aval` is `side`'s operand's type."""
 
     # A scheme with state (the delayed recipe's history, ``rest[-1]``) also has
-    # ``observe(lhs, rhs) -> residual`` and ``observed(residual, g, state_aval)
-    # -> the state's cotangent``: see `_observation`.
+    # ``observe(lhs, rhs, rest) -> residual`` and ``observed(residual, g,
+    # state_aval) -> the state's cotangent``: see `_observation`.
 
 
 def differentiable_matmul(scheme: Scheme) -> Callable[..., Any]:
@@ -155,7 +155,7 @@ def _observation(scheme: Any, lhs: Any, rhs: Any, rest: tuple, tangents: tuple, 
         return scheme.observed(forward, g, state_aval)
 
     _compat.ensure_linear_call_batching()
-    return [linear_call(no_tangent, observed, scheme.observe(lhs, rhs), state_tangent)]
+    return [linear_call(no_tangent, observed, scheme.observe(lhs, rhs, rest), state_tangent)]
 
 
 class Fp8HigherOrderError(NotImplementedError):

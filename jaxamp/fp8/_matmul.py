@@ -250,10 +250,12 @@ class Fp8MatmulRule:
             history, fallback = _delayed_history(name, recipe.amax_history_length)
             per_tensor = (eqn.primitive, bind_params, compute_dtype, power_of_two, gradient, precisions)
             from_history: tuple = (recipe.amax_compute_algo, recipe.margin)
+            loss_scale = None
             if history is not None:
                 state = _site_state.active()
                 assert state is not None  # (the histories are threaded through the site state)
                 from_history += (state.cotangents_summed_over,)
+                loss_scale = state.cotangent_scale
             scheme = Tensorwise(*per_tensor) if history is None else Delayed(*per_tensor, *from_history)
         elif name == "dot_general" and any(shards := sharded_free_dims(eqn, lhs, rhs)):
             avals = (jax.typeof(lhs), jax.typeof(rhs))
@@ -294,7 +296,7 @@ class Fp8MatmulRule:
             description += f"; the tangent product of a custom_jvp rule ({side} the tangent)"
         elif history is not None:
             matmul = differentiable_matmul(scheme)
-            fn = functools.partial(_with_history, matmul, history)
+            fn = functools.partial(_with_history, matmul, history, loss_scale)
         else:
             fn = differentiable_matmul(scheme)
         operand_dtypes = (E4M3, E4M3, *(dtype_of(x) for x in rest))
@@ -399,8 +401,9 @@ def _delayed_history(name: str, length: int) -> tuple[Any, str]:
     return state.take(name, (len(ROLES), length)), ""
 
 
-def _with_history(matmul: Any, history: Any, lhs: Any, rhs: Any) -> Any:
-    return matmul(lhs, rhs, history)
+def _with_history(matmul: Any, history: Any, loss_scale: Any, lhs: Any, rhs: Any) -> Any:
+    # The loss scale rides with the history (`Delayed`): its cotangent row is kept in true units.
+    return matmul(lhs, rhs, history) if loss_scale is None else matmul(lhs, rhs, loss_scale, history)
 
 
 def _warn_fallback(scaling: str, name: str, reason: str) -> None:

@@ -189,38 +189,47 @@ class Delayed(Tensorwise):
 
     `rest` is ``(history,)``: the site's float32 ``[3, length]`` history
     (`jaxamp.fp8._state`), an input of the differentiable matmul so that its
-    gradient can carry the step's amaxes out (`observe`, `observed`). Values
-    beyond a stale scale's range saturate to the format's largest; inf and NaN
-    pass through (see `quantize`).
+    gradient can carry the step's amaxes out (`observe`, `observed`); or
+    ``(loss scale, history)`` where the backward pass is loss-scaled
+    (`SiteState.cotangent_scale`): the history's cotangent row then holds
+    true-scale amaxes, and the cotangent is scaled by them times this step's
+    loss scale. Values beyond a stale scale's range saturate to the format's
+    largest; inf and NaN pass through (see `quantize`).
     """
 
     algorithm: str = "max"
     margin: int = 0
     observed_on_one_device_of: tuple = ()  # `SiteState.cotangents_summed_over`
 
-    def _quantize_by_history(self, role: str, x: Any, history: Any, fmt: Any) -> tuple[Any, Any]:
+    def _quantize_by_history(self, role: str, x: Any, history: Any, fmt: Any, units: Any = None) -> tuple[Any, Any]:
         x32 = lax.convert_element_type(x, _F32)
         row = history[ROLES.index(role)]
-        scale = history_scale(row, x32, fmt, self.algorithm, self.margin, self.power_of_two)
+        scale = history_scale(row, x32, fmt, self.algorithm, self.margin, self.power_of_two, units)
         return apply_scale(x32, scale, fmt), scale
 
     def quantize(self, side, x, rest):
-        return self._quantize_by_history(side, x, rest[0], E4M3)
+        return self._quantize_by_history(side, x, rest[-1], E4M3)
 
     def quantize_cotangent(self, g, rest):
-        return self._quantize_by_history("cotangent", g, rest[0], self.gradient_format)
+        return self._quantize_by_history("cotangent", g, rest[-1], self.gradient_format, _loss_scale(rest))
 
     def operands(self, rest):
         return ()
 
-    def observe(self, lhs, rhs):
-        """What `observed` needs from the forward pass: the operands' amaxes, float32 ``[2]``."""
+    def observe(self, lhs, rhs, rest):
+        """What `observed` needs from the forward pass: the operands' amaxes, float32 ``[2]``, and the loss scale."""
         # lax, not jnp.stack: a jnp helper adds a nested jit to every matmul.
-        return lax.concatenate([lax.expand_dims(finite_amax(x), (0,)) for x in (lhs, rhs)], 0)
+        return lax.concatenate([lax.expand_dims(finite_amax(x), (0,)) for x in (lhs, rhs)], 0), _loss_scale(rest)
 
     def observed(self, forward, g, history_aval):
         """The history's cotangent: this step's amaxes (`forward`'s and the cotangent `g`'s) in its newest column."""
-        return observation(forward, g, history_aval, self.observed_on_one_device_of)
+        amaxes, units = forward
+        return observation(amaxes, g, history_aval, self.observed_on_one_device_of, units)
+
+
+def _loss_scale(rest: tuple) -> Any:
+    """The loss scale among a `Delayed` matmul's `rest`, or None (unscaled)."""
+    return rest[0] if len(rest) > 1 else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -156,13 +156,21 @@ def _site_name(key: str) -> str:
     return name if name and k.isdigit() else key
 
 
-def history_scale(history_row: Any, x32: Any, fmt: Any, algorithm: str, margin: int, power_of_two: bool) -> Any:
+def history_scale(
+    history_row: Any, x32: Any, fmt: Any, algorithm: str, margin: int, power_of_two: bool, units: Any = None
+) -> Any:
     """The scale of `x32` (float32) in `fmt` from its history row (the live amax while the row is empty).
 
     ``amax * 2**margin / max(fmt)``, amax the row's maximum (``"max"``) or its
-    newest entry (``"most_recent"``), as Transformer Engine's ``DelayedScaling``.
+    newest entry (``"most_recent"``), as Transformer Engine's ``DelayedScaling``,
+    times `units` where `x32` is that many times the values the row holds (a
+    loss-scaled cotangent against its true-scale history, `observation`).
     """
     past = lax.reduce_max(history_row, (0,)) if algorithm == "max" else history_row[0]
+    if units is not None:
+        # This step's loss scale, not the one the amaxes were seen under: a
+        # scale that grew since would otherwise saturate the cotangent.
+        past = past * units
     # A branch, not a select: once the history holds an amax, the live one is
     # not computed in front of the matmul (nor, on a mesh, all-reduced there).
     # Inside shard_map both branches take the devices the live amax varies over.
@@ -175,7 +183,9 @@ def history_scale(history_row: Any, x32: Any, fmt: Any, algorithm: str, margin: 
     return scale_for_amax(amax * np.float32(2.0**margin), fmt, power_of_two)
 
 
-def observation(forward: Any, g: Any, history_aval: Any, on_one_device_of: Sequence[Any] = ()) -> Any:
+def observation(
+    forward: Any, g: Any, history_aval: Any, on_one_device_of: Sequence[Any] = (), units: Any = None
+) -> Any:
     """A history-shaped cotangent holding the step's amaxes in column 0, zeros elsewhere.
 
     Args:
@@ -185,8 +195,13 @@ def observation(forward: Any, g: Any, history_aval: Any, on_one_device_of: Seque
         on_one_device_of: manual mesh axes over which JAX will sum the
             cotangent (`SiteState.cotangents_summed_over`): the amaxes are
             given on their first device, zeros on the others.
+        units: the loss scale `g` carries (`SiteState.cotangent_scale`), or
+            None: the history holds ``amax(g) / units``, the true-scale amax.
     """
-    column = _largest_on_every_device(lax.concatenate([forward, lax.expand_dims(finite_amax(g), (0,))], 0))
+    g_amax = finite_amax(g)
+    if units is not None:
+        g_amax = g_amax / _compat.mark_varying(units, tuple(_compat.varying_axes(g_amax)))
+    column = _largest_on_every_device(lax.concatenate([forward, lax.expand_dims(g_amax, (0,))], 0))
     if on_one_device_of:
         first = functools.reduce(lax.bitwise_and, [lax.axis_index(a) == 0 for a in on_one_device_of])
         column = lax.select(lax.broadcast(first, column.shape), column, lax.full_like(column, 0))

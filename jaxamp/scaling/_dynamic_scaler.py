@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from .. import _compat
 from ..transform import _nnx
+from ._backward_scale import scaling_backward
 from ._finite import (
     AxisName,
     check_axis_name,
@@ -347,7 +348,10 @@ def dynamic_scale_tx(
         def evaluate(*f_args: Any, _scaler_state: DynamicScalerState, **f_kwargs: Any):
             # One attempt's unscaled results, and this device's finite flags.
             def scaled_fun(*a, **k):
-                return scale_fn(fun(*a, **k), _scaler_state)
+                if scale_fn is not default_scale_fn:  # its factor is unknown: amp sees none
+                    return scale_fn(fun(*a, **k), _scaler_state)
+                with scaling_backward(_scaler_state.scaler):
+                    return scale_fn(fun(*a, **k), _scaler_state)
 
             results = transform(scaled_fun, *args, **kwargs)(*f_args, **f_kwargs)
             results = unscale_fn(results, _scaler_state)

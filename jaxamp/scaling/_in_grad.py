@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from .. import _compat
+from ._backward_scale import scaling_backward
 from ._dynamic_scaler import DynamicScalerState
 from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, on_every_device, select_tree
 from ._loss_scaling import LossScaleState, find_scaler_state, is_scale_state
@@ -203,7 +204,8 @@ class LossScaling:
         }
         token = _SCALING.set(True)
         try:
-            out = call(**hooks)
+            with scaling_backward(scale):
+                out = call(**hooks)
         finally:
             _SCALING.reset(token)
         return keep_returned_state(self.given, inputs, out)

@@ -19,6 +19,9 @@ numbered in program order, as amp interprets the program:
   (`passed`, `entering`), and a rule whose value comes back through its
   cotangent counts it once although every device holds the input
   (`cotangents_summed_over`);
+* a program whose backward pass is loss-scaled carries the scale
+  (`cotangent_scale`) to every body as it carries the values, so a rule that
+  keeps statistics of cotangents across steps keeps them in true units;
 * inside a body amp cannot thread a value into (a custom derivative rule,
   which JAX traces apart from the program), `take` returns None and the rule
   says why (`paused`).
@@ -65,6 +68,11 @@ class SiteState:
             ``check_vma=False`` sums a replicated input's cotangent over its
             devices, so a rule returning a value through its cotangent (fp8's
             observed amaxes) gives it on one device of them and zeros on the others.
+        cotangent_scale: the float32 scalar the backward pass multiplies this
+            program's cotangents by (a loss scale, `AmpOptions.run`), or None
+            (1). Rules that keep cotangent statistics across steps (fp8's
+            delayed histories) divide by it, so the statistics stay valid when
+            the scale changes between steps.
     """
 
     values: Sequence[Any] | None = None
@@ -73,6 +81,7 @@ class SiteState:
     loops: list[tuple[Any, int]] = dataclasses.field(default_factory=list)
     scopes: tuple[str, ...] = ()
     cotangents_summed_over: tuple[Any, ...] = ()
+    cotangent_scale: Any = None
 
     @property
     def paused(self) -> str:
@@ -125,12 +134,14 @@ class SiteState:
     def passed(self) -> list:
         """What a body that cannot close over the caller's values takes as inputs (see `entering`).
 
-        The enclosing scans' iteration indices, then the values of the sites
-        from `position` on (which of them the body reaches is known only once
-        it is traced); none while discovering sites.
+        The enclosing scans' iteration indices, the `cotangent_scale` if any,
+        then the values of the sites from `position` on (which of them the
+        body reaches is known only once it is traced); no values while
+        discovering sites.
         """
         values = [] if self.values is None else list(self.values[self.position :])
-        return [index for index, _ in self.loops] + values
+        scale = [] if self.cotangent_scale is None else [self.cotangent_scale]
+        return [index for index, _ in self.loops] + scale + values
 
     def entering(self, passed: Sequence[Any], cotangents_summed_over: Sequence[Any] = ()) -> SiteState:
         """This state as a body sees it that took `passed` (the body's tracers of `passed()`) as inputs.
@@ -140,6 +151,9 @@ class SiteState:
         the new one's once the body is traced.
         """
         indices, values = passed[: len(self.loops)], passed[len(self.loops) :]
+        scale = None
+        if self.cotangent_scale is not None:
+            scale, values = values[0], values[1:]
         return SiteState(
             values=None if self.values is None else [None] * self.position + list(values),
             sites=self.sites,
@@ -147,6 +161,7 @@ class SiteState:
             loops=[(index, length) for index, (_, length) in zip(indices, self.loops)],
             scopes=self.scopes,
             cotangents_summed_over=(*self.cotangents_summed_over, *cotangents_summed_over),
+            cotangent_scale=scale,
         )
 
     def rewind(self, position: int) -> None:
