@@ -19,6 +19,13 @@ changes nothing (its state is a `SkipNonFiniteState`), and
 `apply_if_finite_updates` applies the updates on a finite step and leaves the
 parameters' bits alone on a skipped one.
 
+`scale_metrics` reads the scale, the skipped steps and whether the last step
+was finite out of any state amp's ``loss_scale=`` takes, as a flat dict for a
+logger; `record_scale_metrics` sends them to `jax.monitoring`'s listeners, and
+`LossScaleMonitor` warns when a run's scale collapses or most steps are
+skipped. `update_scale` is the scale's step rule for a script whose optimizer
+is not optax's.
+
 `loss_scaling`, the scalers, the jmp loss scales, `all_finite` and `select_tree` are also at
 the top level (`jaxamp.DynamicScalerState`...). The guide is
 docs/loss_scaling.md.
@@ -42,7 +49,10 @@ from ._loss_scale import (
     warn_if_not_floating,
 )
 from ._loss_scaling import LossScaleState, loss_scaling
+from ._metrics import record_scale_metrics, scale_metrics
 from ._optax import SkipNonFiniteState, apply_if_finite_updates, skip_nonfinite_updates
+from ._scale_monitor import LossScaleMonitor
+from ._update_scale import update_scale
 
 __all__ = [
     "DynamicLossScale",
@@ -50,6 +60,7 @@ __all__ = [
     "DynamicScalerState",
     "GradScaler",
     "LossScale",
+    "LossScaleMonitor",
     "LossScaleState",
     "NoOpLossScale",
     "SkipNonFiniteState",
@@ -60,8 +71,11 @@ __all__ = [
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
     "loss_scaling",
+    "record_scale_metrics",
     "register_empty_pytree",
+    "scale_metrics",
     "select_tree",
     "skip_nonfinite_updates",
+    "update_scale",
     "warn_if_not_floating",
 ]

@@ -27,7 +27,7 @@ from ._finite import AxisName, check_axis_name, select_tree
 from ._optax import check_optimizer, gradients_finite, update_if_finite
 from ._scale_uses import check_scale_use
 
-__all__ = ["LossScaleState", "find_scaler_state", "is_scale_state", "loss_scaling"]
+__all__ = ["LossScaleState", "find_scale_state", "find_scaler_state", "is_scale_state", "loss_scaling"]
 
 
 class LossScaleState(NamedTuple):
@@ -241,6 +241,16 @@ def find_scaler_state(tree: Any, what: str = "loss_scale") -> DynamicScalerState
         ValueError: no `LossScaleState` (nor `DynamicScalerState`) in `tree`, or
             more than one.
     """
+    state = find_scale_state(tree, what)
+    return state.scaler_state if isinstance(state, LossScaleState) else state
+
+
+def find_scale_state(tree: Any, what: str = "loss_scale") -> LossScaleState | DynamicScalerState:
+    """The one `LossScaleState` (or bare `DynamicScalerState`) in `tree`, as `find_scaler_state` finds it.
+
+    The holder itself, for what the `LossScaleState` keeps beside the scale
+    (``last_finite``).
+    """
     found = [leaf for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_scale_state) if is_scale_state(leaf)]
     if len(found) != 1:
         problem = "holds no" if not found else f"holds {len(found)} loss scales:"
@@ -256,4 +266,4 @@ def find_scaler_state(tree: Any, what: str = "loss_scale") -> DynamicScalerState
             )
         )
     (state,) = found
-    return state.scaler_state if isinstance(state, LossScaleState) else state
+    return state
