@@ -112,14 +112,16 @@ class Fp8Recipe:
             per group and output features) are not multiples of it stay in
             bfloat16. Default 16: float8 GEMMs (cuBLASLt, cuDNN) take
             dimensions in multiples of 16. 1 lets every size through.
-        keep_last_matmul_bf16: keep the forward program's last matmul, in
-            program order, in bfloat16 (the default, as torchao's and
-            torchtitan's float8 setups keep the output projection): usually
+        keep_last_matmul_bf16: keep the forward program's last matmuls in
+            bfloat16 (the default, as torchao's and torchtitan's float8
+            setups keep the output projection): each matmul whose result
+            reaches the program's outputs with no matmul after it, usually
             the logits projection, whose errors go straight into the loss.
-            Program order
-            counts a call's body (a jit'd function, a scan, a cond's branches,
-            in order) where the call is, and a body amp shares between calls
-            runs the same way at each. The forward program is the one amp
+            It is found by its place in the program, through calls, scans and
+            while loops (`jaxamp.analyses._tail`), not by its shape: layers of
+            the head's shape, a jit'd layer the head shares, an embedding
+            reused as the head stay in float8; a model with several heads
+            keeps each. The forward program is the one amp
             traces, so put amp inside `jax.grad`, not around it. Under
             `jax.grad` a function with a custom derivative
             (`jax.custom_vjp`, `jax.custom_jvp`) runs its derivative rule,
