@@ -181,7 +181,26 @@ def test_bad_recipe_fields(fields, error, match):
 
 def test_the_default_recipe():
     assert dataclasses.asdict(Fp8Recipe()) == {
-        "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "keep_small_bf16": None, "min_contraction": 16, "gemm_multiple": 16,
+        "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "keep_small_bf16": (1024, 4096), "min_contraction": 16, "gemm_multiple": 16,
         "keep_last_matmul_bf16": True, "attention": False, "grouped": False, "gradient_format": None,
         "fast_accumulation": "forward", "amax_history_length": 1024, "amax_compute_algo": "max", "margin": 0,
     }  # fmt: skip
+
+
+def test_matmuls_too_small_to_gain_stay_bf16_by_default_and_can_be_let_in():
+    # torchao's tensorwise filter as it runs: kept when the contraction is at
+    # most 1024 and the output features at most 4096 (both bounds included).
+    def chain(x, w1, w2, w3, w4):
+        return jnp.sum(((x @ w1) @ w2) @ w3 @ w4)
+
+    shapes = [(8, 1024), (1024, 4096), (4096, 16), (16, 4112), (4112, 16)]
+    args = [jnp.ones(s) / 64 for s in shapes]
+    details = [r.detail for r in jaxamp.explain(chain, compute_dtype="fp8")(*args).rows if r.primitive == "dot_general"]
+    assert details[0] == (
+        "kept bf16: too small to gain: contraction size 1024 <= 1024 and output features 4096 <= 4096 "
+        "(keep_small_bf16; quantising costs more than float8 saves)"
+    )
+    assert details[1].startswith("float8") and details[2].startswith("float8"), details  # K 4096; N 4112
+    assert details[3] == "kept bf16: the program's last matmul (keep_last_matmul_bf16)"
+    every_size = jaxamp.explain(chain, compute_dtype=Fp8Recipe(keep_small_bf16=None))(*args)
+    assert [r.detail.startswith("float8") for r in every_size.rows if r.primitive == "dot_general"] == [1, 1, 1, 0]
