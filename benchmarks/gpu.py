@@ -56,15 +56,15 @@ def _recipe(**fields: Any) -> jaxamp.fp8.Fp8Recipe:
 
 
 FP8_VARIANTS = {
-    "amp_fp8": _recipe(keep_small_bf16=(4096, 1024)),
-    "amp_fp8_every_size": _recipe(),
-    "amp_fp8_delayed": _recipe(scaling="delayed", amax_history_length=16),
-    "amp_fp8_rowwise": _recipe(scaling="rowwise"),
-    "amp_fp8_mxfp8": _recipe(scaling="mxfp8"),
-    "amp_fp8_blockwise": _recipe(scaling="blockwise"),
+    "amp_fp8": _recipe(),
+    "amp_fp8_every_size": _recipe(keep_small_bf16=None),
+    "amp_fp8_delayed": _recipe(scaling="delayed", amax_history_length=16, keep_small_bf16=None),
+    "amp_fp8_rowwise": _recipe(scaling="rowwise", keep_small_bf16=None),
+    "amp_fp8_mxfp8": _recipe(scaling="mxfp8", keep_small_bf16=None),
+    "amp_fp8_blockwise": _recipe(scaling="blockwise", keep_small_bf16=None),
 }
-"""amp's fp8 variants: tensorwise with torchao's size rule (small matmuls in bf16), at every size, and each
-other recipe (every size)."""
+"""amp's fp8 variants: the default (tensorwise, torchao's size rule: small matmuls in bf16), tensorwise at every
+size, and each other recipe (every size)."""
 
 
 def _flax_matmul(x: Any, weight: Any) -> Any:

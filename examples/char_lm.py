@@ -15,7 +15,7 @@ only difference is ``jaxamp.amp(loss, compute_dtype="bf16")``. ``--modes`` picks
 other runs: ``amp f16`` computes in float16 with dynamic loss scaling (the
 optimizer in `jaxamp.loss_scaling`, whose state ``amp(..., loss_scale=opt_state)``
 reads), ``amp fp8`` runs the matmuls in float8 (`jaxamp.fp8.Fp8Recipe`'s
-current scaling; float8 is emulated on CPU, so it is slower there), ``amp fp8
+current scaling, at every size: ``keep_small_bf16=None``; float8 is emulated on CPU, so it is slower there), ``amp fp8
 rowwise``, ``amp fp8 mxfp8``, ``amp fp8 blockwise`` and ``amp fp8 delayed``
 with those scaling recipes (the delayed one threads its `jaxamp.fp8.Fp8State`
 of amax histories through the steps, the evaluations and the sampling); the
@@ -56,11 +56,13 @@ MODES = {
     "float32": (None, "float32"),
     "amp bf16": ("bf16", "float32"),
     "amp f16": ("f16", "float32"),
-    "amp fp8": ("fp8", "float32"),
-    "amp fp8 rowwise": (jaxamp.fp8.Fp8Recipe(scaling="rowwise"), "float32"),
-    "amp fp8 mxfp8": (jaxamp.fp8.Fp8Recipe(scaling="mxfp8"), "float32"),
-    "amp fp8 blockwise": (jaxamp.fp8.Fp8Recipe(scaling="blockwise"), "float32"),
-    "amp fp8 delayed": (jaxamp.fp8.Fp8Recipe(scaling="delayed"), "float32"),
+    # Every size: this model's matmuls are all below the default's size rule
+    # (keep_small_bf16), which would leave the fp8 modes as amp bf16.
+    "amp fp8": (jaxamp.fp8.Fp8Recipe(keep_small_bf16=None), "float32"),
+    "amp fp8 rowwise": (jaxamp.fp8.Fp8Recipe(scaling="rowwise", keep_small_bf16=None), "float32"),
+    "amp fp8 mxfp8": (jaxamp.fp8.Fp8Recipe(scaling="mxfp8", keep_small_bf16=None), "float32"),
+    "amp fp8 blockwise": (jaxamp.fp8.Fp8Recipe(scaling="blockwise", keep_small_bf16=None), "float32"),
+    "amp fp8 delayed": (jaxamp.fp8.Fp8Recipe(scaling="delayed", keep_small_bf16=None), "float32"),
     "bf16 stochastic": ("bf16", "bf16 stochastic"),
     "bf16 kahan": ("bf16", "bf16 kahan"),
     "bf16 nearest": ("bf16", "bf16 nearest"),

@@ -316,3 +316,41 @@ def test_monitor_overhead_times_a_monitored_step_against_the_plain_one():
     assert result["sites"] > 20  # forward and backward sites of a 2-layer GPT
     assert result["plain_s"] > 0 and result["monitored_s"] > 0
     assert result["ratio"] == result["monitored_s"] / result["plain_s"]
+
+
+def test_the_tiny_llama_trains_under_amp_and_keeps_only_its_head_out_of_float8():
+    import math
+
+    import jaxamp
+    from benchmarks.workloads import llama_workload
+
+    workload = llama_workload("tiny")
+    value, grads = jax.jit(jax.value_and_grad(jaxamp.amp(workload.loss_fn)))(*workload.concrete_args())
+    # Random init over a 256-token vocabulary: about log(256) per token.
+    assert abs(float(value) - math.log(256)) < 1.0
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    # Its layers run under lax.scan: at every size, only the logits head (and attention) stay out of float8.
+    every_size = jaxamp.fp8.Fp8Recipe(keep_small_bf16=None)
+    report = jaxamp.explain(workload.loss_fn, compute_dtype=every_size)(*workload.abstract_args())
+    kept = [r.detail for r in report.kept_out_of_fp8]
+    assert kept.count("kept bf16: the program's last matmul (keep_last_matmul_bf16)") == 1, kept
+    assert all("last matmul" in d or "batched matmul" in d for d in kept), kept
+    assert report.fp8_flop_fraction > 0.3
+
+
+def test_the_gpu_presets_static_figures_on_the_tiny_llama():
+    # What `bash benchmarks/gpu.sh` measures on any backend (the timings need a GPU).
+    from benchmarks import gpu
+    from benchmarks.workloads import llama_workload
+
+    figures = gpu.static_figures(llama_workload("tiny"))
+    assert set(figures) == set(gpu.GPU_VARIANTS)
+    bf16, default, every_size = figures["amp_bf16"], figures["amp_fp8"], figures["amp_fp8_every_size"]
+    # Every tiny matmul is too small to gain: the default fp8 step is the bf16 step.
+    assert default["quantised_matmuls"] == 0 and default["kept_out"] > 0
+    assert default["converts_added"] == 0 and default["residual_bytes"] == bf16["residual_bytes"]
+    # At every size the layers' matmuls quantise and save float8 residuals.
+    assert every_size["quantised_matmuls"] > 0 and every_size["residual_bytes"] < bf16["residual_bytes"]
+    assert all(
+        figures[k]["quantised_matmuls"] == every_size["quantised_matmuls"] for k in gpu.FP8_VARIANTS if k != "amp_fp8"
+    )

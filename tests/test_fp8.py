@@ -424,8 +424,8 @@ def test_pallas_kernel_matmuls_are_listed_and_not_taken_for_the_last_matmul():
 
 @pytest.mark.newest_only
 def test_keep_last_matmul_bf16_inside_a_jitted_function():
-    # The head runs inside a jit'd function called last: program order walks
-    # into bodies.
+    # The head runs inside a jit'd function: the walk for the last matmul
+    # goes into bodies.
     def f(p, x):
         return jax.jit(_two_layers)(p, x)
 
@@ -437,9 +437,9 @@ def test_keep_last_matmul_bf16_inside_a_jitted_function():
     assert [(r.scope, r.detail) for r in report.kept_out_of_fp8] == [
         ("head", "kept bf16: the program's last matmul (keep_last_matmul_bf16)")
     ]
-    # The same jit'd function in another program, where it is not last: amp's
-    # cache of rewritten bodies does not carry the first program's choice over.
-    g = lambda p, x: jax.jit(_two_layers)(p, x) + jnp.sum(x @ p["w"])  # noqa: E731
+    # The same jit'd function in another program, where a matmul follows it:
+    # amp's cache of rewritten bodies does not carry the first program's choice over.
+    g = lambda p, x: jnp.sum((x * jax.jit(_two_layers)(p, x)) @ p["w"])  # noqa: E731
     assert _formats(g, P, X, compute_dtype=recipe) == [(E4M3, E4M3), (E4M3, E4M3), (bf16, bf16)]
 
 

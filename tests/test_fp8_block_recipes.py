@@ -244,7 +244,11 @@ def test_gradient_format_chooses_the_cotangent_dtype_of_every_gradient_matmul(sc
         return jnp.sum(((x @ w1) ** 2) @ w2)
 
     recipe = jaxamp.fp8.Fp8Recipe(
-        scaling=scaling, keep_last_matmul_bf16=False, gradient_format=gradient_format, power_of_two_scales=True
+        keep_small_bf16=None,
+        scaling=scaling,
+        keep_last_matmul_bf16=False,
+        gradient_format=gradient_format,
+        power_of_two_scales=True,
     )
     fp8 = jaxamp.amp(loss, compute_dtype=recipe)
     default = "e4m3" if scaling in ("mxfp8", "blockwise") else "e5m2"

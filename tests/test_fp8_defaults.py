@@ -35,7 +35,7 @@ def _model(x, w_in, w_out):
     scores = jnp.einsum("htd,hsd->hts", q, q)  # batched: attention's scores
     att = jnp.einsum("hts,hsd->htd", jax.nn.softmax(scores), q).transpose(1, 0, 2).reshape(32, 128)
     odd = att[:, :24] @ w_out[:24, :24]  # contraction and output features 24: not multiples of 16
-    return jnp.sum(odd) + jnp.sum(att @ w_out)  # the last matmul: the logits
+    return jnp.sum((att + jnp.mean(odd)) @ w_out)  # the last matmul: the logits
 
 
 ARGS = (
@@ -68,7 +68,7 @@ def test_each_default_can_be_turned_off():
     every = Fp8Recipe(keep_small_bf16=None, attention=True, keep_last_matmul_bf16=False, gemm_multiple=8)
     assert all(detail.startswith("float8 e4m3 x e4m3") for _, detail in _details(every))
     # Output features alone, with an aligned contraction.
-    report = jaxamp.explain(lambda x, w: jnp.sum(x @ w) + jnp.sum(x @ x.T), compute_dtype=FP8)(
+    report = jaxamp.explain(lambda x, w: jnp.sum((x @ w) @ (x.T @ x)[:24]), compute_dtype=FP8)(
         jnp.ones((32, 64)), jnp.ones((64, 24))
     )
     assert report.kept_out_of_fp8[0].detail == (
@@ -181,7 +181,26 @@ def test_bad_recipe_fields(fields, error, match):
 
 def test_the_default_recipe():
     assert dataclasses.asdict(Fp8Recipe()) == {
-        "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "keep_small_bf16": None, "min_contraction": 16, "gemm_multiple": 16,
+        "scaling": "tensorwise", "power_of_two_scales": None, "min_flops": 0, "keep_small_bf16": (1024, 4096), "min_contraction": 16, "gemm_multiple": 16,
         "keep_last_matmul_bf16": True, "attention": False, "grouped": False, "gradient_format": None,
         "fast_accumulation": "forward", "amax_history_length": 1024, "amax_compute_algo": "max", "margin": 0,
     }  # fmt: skip
+
+
+def test_matmuls_too_small_to_gain_stay_bf16_by_default_and_can_be_let_in():
+    # torchao's tensorwise filter as it runs: kept when the contraction is at
+    # most 1024 and the output features at most 4096 (both bounds included).
+    def chain(x, w1, w2, w3, w4):
+        return jnp.sum(((x @ w1) @ w2) @ w3 @ w4)
+
+    shapes = [(8, 1024), (1024, 4096), (4096, 16), (16, 4112), (4112, 16)]
+    args = [jnp.ones(s) / 64 for s in shapes]
+    details = [r.detail for r in jaxamp.explain(chain, compute_dtype="fp8")(*args).rows if r.primitive == "dot_general"]
+    assert details[0] == (
+        "kept bf16: too small to gain: contraction size 1024 <= 1024 and output features 4096 <= 4096 "
+        "(keep_small_bf16; quantising costs more than float8 saves)"
+    )
+    assert details[1].startswith("float8") and details[2].startswith("float8"), details  # K 4096; N 4112
+    assert details[3] == "kept bf16: the program's last matmul (keep_last_matmul_bf16)"
+    every_size = jaxamp.explain(chain, compute_dtype=Fp8Recipe(keep_small_bf16=None))(*args)
+    assert [r.detail.startswith("float8") for r in every_size.rows if r.primitive == "dot_general"] == [1, 1, 1, 0]

@@ -173,7 +173,11 @@ def test_fast_accumulation_is_recorded_on_each_passs_float8_gemms(scaling):
     grads = {}
     for option, forward, gradient in (("forward", fast, full), ("all", fast, fast), ("none", full, full)):
         recipe = jaxamp.fp8.Fp8Recipe(
-            scaling=scaling, keep_last_matmul_bf16=False, gradient_format="e5m2", fast_accumulation=option
+            keep_small_bf16=None,
+            scaling=scaling,
+            keep_last_matmul_bf16=False,
+            gradient_format="e5m2",
+            fast_accumulation=option,
         )
         loss = jaxamp.amp(lambda w, x: jnp.sum(jnp.tanh(x @ w)), compute_dtype=recipe)
         jaxpr = jax.make_jaxpr(jax.grad(loss))(w, x)

@@ -139,7 +139,12 @@ def test_shard_map_scales_per_device_with_no_collective_of_its_own(layout):
 # --- per-shard scales on Explicit meshes ---------------------------------------
 
 EXACT = jaxamp.fp8.Fp8Recipe(
-    min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False, attention=True, power_of_two_scales=True
+    keep_small_bf16=None,
+    min_contraction=1,
+    gemm_multiple=1,
+    keep_last_matmul_bf16=False,
+    attention=True,
+    power_of_two_scales=True,
 )
 
 

@@ -37,7 +37,12 @@ pytestmark = pytest.mark.jax_internals
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 RECIPES = {
     scaling: jaxamp.fp8.Fp8Recipe(
-        scaling=scaling, min_contraction=1, gemm_multiple=1, keep_last_matmul_bf16=False, power_of_two_scales=True
+        keep_small_bf16=None,
+        scaling=scaling,
+        min_contraction=1,
+        gemm_multiple=1,
+        keep_last_matmul_bf16=False,
+        power_of_two_scales=True,
     )
     for scaling in ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 }

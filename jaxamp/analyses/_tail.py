@@ -36,16 +36,27 @@ derivatives' primal functions are walked where they are called, so a loss
 whose matmul and log-softmax sit in one inner ``jax.jit`` is the loss it is
 inline. Each equation is named by its `Path`. A loop or cond in the tail has
 its whole body run as tail. A program without matmuls has no loss tail.
+
+**The last matmuls** (`Tail.last_matmuls`, which fp8 mode keeps in bfloat16)
+are where the loss tail starts: the matmuls whose results reach the program's
+outputs with no matmul after them (the logits head). They are found by their
+place in the flattened program, not by shape or by equation: a layer's body
+shared by every layer (one jit'd function called in each) holds the head only
+at the call that computes it. A loop whose matmuls are last (a loss computed
+inside a scan) is entered: there a matmul is last when no matmul follows it in
+the same iteration or, through the carry, in a later one. A shard_map's body is
+entered too; a cond's branches are not (one path would name an equation of each branch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from .. import _compat
 from .._jaxpr import MATMUL_NAMES, holds_matmul
 
-__all__ = ["Path", "tail_paths"]
+__all__ = ["Path", "Tail", "find_tail", "path_body", "tail_paths"]
 
 
 Path = tuple[int, ...]
@@ -60,22 +71,102 @@ class _Node(NamedTuple):
     invars: tuple[Any, ...]  # keys of non-literal operands
     outvars: tuple[Any, ...]
     matmul: bool
+    eqn: Any
+
+
+class Tail(NamedTuple):
+    """What `find_tail` found, each equation named by its `Path`."""
+
+    paths: frozenset[Path]  # the tail: the loss and the log-probabilities
+    last_matmuls: frozenset[Path]  # the matmuls the loss tail starts after (a program's only)
 
 
 def tail_paths(jaxpr: Any, program: bool = True) -> frozenset[Path]:
-    """The `Path` of every equation of `jaxpr` in its tail: its loss (for a program) and its log-probabilities.
+    """`find_tail`'s paths: every equation of `jaxpr` in its tail."""
+    return find_tail(jaxpr, program).paths
+
+
+def find_tail(jaxpr: Any, program: bool = True) -> Tail:
+    """The tail of `jaxpr`: its loss (for a program) and its log-probabilities, and its last matmuls.
 
     Args:
         jaxpr: an open jaxpr: the amp'd program, or a body inside it.
         program: whether `jaxpr` is the amp'd program, whose scalar outputs
-            are its loss; a body's outputs are not.
+            are its loss and whose outputs define its last matmuls; a body's
+            outputs are not.
     """
     nodes, outputs = _flatten(jaxpr)
     found = _log_probabilities(nodes)
-    if program:
-        scalar = {k for k, v in zip(outputs, jaxpr.outvars) if k is not None and getattr(v.aval, "shape", None) == ()}
-        found |= _loss(nodes, [k for k in outputs if k is not None], scalar)
-    return found
+    if not program:
+        return Tail(found, frozenset())
+    scalar = {k for k, v in zip(outputs, jaxpr.outvars) if k is not None and getattr(v.aval, "shape", None) == ()}
+    keys = [k for k in outputs if k is not None]
+    return Tail(found | _loss(nodes, keys, scalar), _last_matmuls(nodes, set(keys)))
+
+
+def path_body(eqn: Any) -> Any:
+    """The open jaxpr that paths inside `eqn` index: a call's body, a loop's (scan, while) or a shard_map's."""
+    body = _compat.call_body(eqn)
+    if body is None and eqn.primitive in _ENTERED:
+        body = eqn.params[_ENTERED[eqn.primitive]]
+    return getattr(body, "jaxpr", body)
+
+
+# What `_last_matmuls` enters besides calls, and the parameter holding each one's body.
+_ENTERED = {_compat.scan_p: "jaxpr", _compat.while_p: "body_jaxpr", _compat.shard_map_p: "jaxpr"}
+
+
+def _last_matmuls(nodes: list[_Node], counted: set[Any], carries: Sequence[tuple[Any, Any]] = ()) -> frozenset[Path]:
+    """Matmul nodes whose results reach `counted` variables and no matmul.
+
+    Args:
+        nodes: a flattened program or loop body.
+        counted: the variables whose values leave it (the outputs that count).
+        carries: a loop body's ``(carry in, carry out)`` pairs: what a carry's
+            input reaches, its output reaches too (in the next iteration).
+    """
+    extra_matmul: set[Any] = set()
+    extra_counted: set[Any] = set()
+    while True:
+        to_matmul, to_counted = set(extra_matmul), counted | extra_counted
+        for node in reversed(nodes):
+            if node.matmul or any(o in to_matmul for o in node.outvars):
+                to_matmul.update(node.invars)
+            if any(o in to_counted for o in node.outvars):
+                to_counted.update(node.invars)
+        more_matmul = {out for into, out in carries if into in to_matmul} - extra_matmul
+        more_counted = {out for into, out in carries if into in to_counted} - extra_counted
+        if not more_matmul and not more_counted:
+            break
+        extra_matmul |= more_matmul
+        extra_counted |= more_counted
+    found: set[Path] = set()
+    for node in nodes:
+        if not node.matmul or any(o in to_matmul for o in node.outvars):
+            continue
+        reaching = [o in to_counted for o in node.outvars]
+        if not any(reaching):
+            continue
+        if node.name in MATMUL_NAMES:
+            found.add(node.path)
+        elif node.eqn.primitive in _ENTERED:
+            found |= {(*node.path, *p) for p in _last_matmuls_inside(node.eqn, reaching)}
+    return frozenset(found)
+
+
+def _last_matmuls_inside(eqn: Any, reaching: list[bool]) -> frozenset[Path]:
+    """`_last_matmuls` of a loop's or shard_map's body, given which of its results reach the outputs."""
+    body = path_body(eqn)
+    skip, num_carry = 0, 0
+    if eqn.primitive is _compat.scan_p:
+        skip, num_carry = _compat.scan_layout(eqn.params)
+    elif eqn.primitive is _compat.while_p:
+        skip, num_carry = eqn.params["body_nconsts"], len(body.outvars)
+    nodes, outputs = _flatten(body)
+    # `_flatten` names a body's inputs ``((), var)``.
+    carries = [(((), body.invars[skip + k]), outputs[k]) for k in range(num_carry)]
+    counted = {k for k, r in zip(outputs, reaching) if r and k is not None}
+    return _last_matmuls(nodes, counted, [c for c in carries if c[1] is not None])
 
 
 def _flatten(jaxpr: Any) -> tuple[list[_Node], list[Any]]:
@@ -96,7 +187,7 @@ def _flatten(jaxpr: Any) -> tuple[list[_Node], list[Any]]:
                 continue
             matmul = eqn.primitive.name in MATMUL_NAMES or holds_matmul(eqn)
             ins = tuple(k for k in map(key, eqn.invars) if k is not None)
-            nodes.append(_Node(path, eqn.primitive.name, ins, tuple(map(key, eqn.outvars)), matmul))
+            nodes.append(_Node(path, eqn.primitive.name, ins, tuple(map(key, eqn.outvars)), matmul, eqn))
         return [key(v) for v in jaxpr.outvars]
 
     outputs = walk(jaxpr, (), {})

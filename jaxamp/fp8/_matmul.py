@@ -30,7 +30,9 @@ blocks) are in `jaxamp.fp8._schemes`, the quantisers in
 
 Matmuls it does not accept run in bfloat16, with the reason recorded for
 `jaxamp.explain`. By default, as Transformer Engine, torchao and torchtitan
-set float8 up: the program's last matmul (the logits), batched matmuls
+set float8 up: the program's last matmuls (the logits head: a matmul whose
+result reaches the output with no matmul after it, found by its place in the
+program, `jaxamp.analyses._tail`), batched matmuls
 (attention's scores and values), grouped matmuls, and matmuls whose sizes a
 float8 GEMM cannot take (not multiples of 16); always non-float operands. The
 `Fp8Recipe` fields opt in; grouped matmuls then get a scale per group.
@@ -49,9 +51,9 @@ import jax
 from .. import _compat
 from .._casting import dtype_of
 from .._dtypes import dtype_short_name, is_castable
-from .._jaxpr import MATMUL_NAMES, equation_flops, matmuls_in
+from .._jaxpr import MATMUL_NAMES, equation_flops
 from ..transform import _site_state
-from ..transform._interpreter import HANDLERS, EquationRewrite, differentiation_depth, warn_once
+from ..transform._interpreter import EquationRewrite, differentiation_depth, is_last_matmul, warn_once
 from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, requested_precision, use_compute_precision
 from ..transform._scopes import MODE_ENTRY
@@ -200,30 +202,12 @@ class Fp8MatmulRule:
 
     Attributes:
         recipe: the fp8 options.
-        last_matmul: the equation `for_program` found to be the program's last
-            matmul (compared by identity), when the recipe keeps it in bf16.
     """
 
     recipe: Fp8Recipe
-    last_matmul: Any = None
 
     def __call__(self, compute_dtype, original_dtypes, *invars, **bind_params):
         return use_compute_precision(compute_dtype, original_dtypes, *invars, **bind_params)
-
-    def for_program(self, jaxpr: Any) -> Fp8MatmulRule:
-        """This rule for one amp'd program: it knows the program's last matmul.
-
-        Each program gets its own rule object, so amp's cache of rewritten
-        bodies (keyed on the table) never serves one program's decision to another.
-        """
-        if not self.recipe.keep_last_matmul_bf16:
-            return self
-        last = None
-        # Only the bodies amp rewrites (those of primitives with a handler),
-        # not a Pallas kernel's.
-        for last in matmuls_in(jaxpr, enter=lambda eqn: eqn.primitive in HANDLERS):  # noqa: B007 (kept: the last)
-            pass
-        return dataclasses.replace(self, last_matmul=last)
 
     def rewrite_equation(self, compute_dtype, original_dtypes, eqn, *invars, **bind_params) -> EquationRewrite:
         """Replace a matmul equation by the scaled float8 matmul, or say why not."""
@@ -325,7 +309,7 @@ class Fp8MatmulRule:
             return reason
         if linear is not None and all(linear[:2]):
             return "in a custom_jvp rule, both operands tangents"
-        if eqn is self.last_matmul:
+        if self.recipe.keep_last_matmul_bf16 and is_last_matmul():
             return "the program's last matmul (keep_last_matmul_bf16)"
         name = eqn.primitive.name
         if name == "dot_general" and eqn.params["dimension_numbers"][1][0] and not self.recipe.attention:

@@ -92,15 +92,19 @@ class Fp8Recipe:
             default, 0, keeps no matmul out on this ground (see docs/float8.md, "Accuracy, and when it pays").
         keep_small_bf16: ``(K, N)``: a matmul whose contraction size is at
             most K and whose output features (a dot's right-hand free size, a
-            convolution's output features) at most N stays in bfloat16; None
-            (the default, for now) keeps none out on this ground. ``(4096,
-            1024)`` are the sizes below which torchao's H100 measurements found
-            a tensorwise float8 linear layer slower than bfloat16 (its
-            ``auto_filter_for_recipe``):
-            each float8 matmul adds passes over its operands (an amax and a
-            quantisation of each, and of the cotangent) that only a large
-            enough GEMM earns back. The rule reads the weight's sizes, not the
-            batch, so a step keeps the same matmuls in float8 at any batch size.
+            convolution's output features) at most N stays in bfloat16, as too
+            small to gain; None keeps none out on this ground. The default,
+            ``(1024, 4096)``, is torchao's tensorwise filter as it runs
+            (``_auto_filter_for_tensorwise``, from H100 measurements): it
+            names the pair ``K, N = weight.shape`` and skips a layer when
+            ``K <= 4096 and N <= 1024``, but a torch ``Linear`` weight is
+            (out, in), so it keeps a layer in bf16 when its input features (the
+            contraction) are at most 1024 and its output features at most
+            4096. Each float8 matmul adds passes over its operands (an amax
+            and a quantisation of each, and of the cotangent) that only a
+            large enough GEMM earns back. The rule reads the weight's sizes,
+            not the batch, so a step keeps the same matmuls in float8 at any
+            batch size.
         min_contraction: matmuls whose contraction (summed-over) size is
             smaller stay in bfloat16. Default 16: below it float8 gains no
             speed (float8 GEMMs take dimensions in multiples of 16) and each
@@ -112,14 +116,16 @@ class Fp8Recipe:
             per group and output features) are not multiples of it stay in
             bfloat16. Default 16: float8 GEMMs (cuBLASLt, cuDNN) take
             dimensions in multiples of 16. 1 lets every size through.
-        keep_last_matmul_bf16: keep the forward program's last matmul, in
-            program order, in bfloat16 (the default, as torchao's and
-            torchtitan's float8 setups keep the output projection): usually
+        keep_last_matmul_bf16: keep the forward program's last matmuls in
+            bfloat16 (the default, as torchao's and torchtitan's float8
+            setups keep the output projection): each matmul whose result
+            reaches the program's outputs with no matmul after it, usually
             the logits projection, whose errors go straight into the loss.
-            Program order
-            counts a call's body (a jit'd function, a scan, a cond's branches,
-            in order) where the call is, and a body amp shares between calls
-            runs the same way at each. The forward program is the one amp
+            It is found by its place in the program, through calls, scans and
+            while loops (`jaxamp.analyses._tail`), not by its shape: layers of
+            the head's shape, a jit'd layer the head shares, an embedding
+            reused as the head stay in float8; a model with several heads
+            keeps each. The forward program is the one amp
             traces, so put amp inside `jax.grad`, not around it. Under
             `jax.grad` a function with a custom derivative
             (`jax.custom_vjp`, `jax.custom_jvp`) runs its derivative rule,
@@ -174,7 +180,7 @@ class Fp8Recipe:
     scaling: str = "tensorwise"
     power_of_two_scales: bool | None = None
     min_flops: int = 0
-    keep_small_bf16: tuple[int, int] | None = None
+    keep_small_bf16: tuple[int, int] | None = (1024, 4096)
     min_contraction: int = 16
     gemm_multiple: int = 16
     keep_last_matmul_bf16: bool = True

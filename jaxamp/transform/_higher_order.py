@@ -94,7 +94,12 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     # Where sites take no values (`_site_state.paused`), rules rewrite them otherwise.
     paused = bool(_site_state.pause_reason())
     # Which of its equations are the program's tail depends on the call site.
-    tail = (ctx.tail, ctx.tail_inside[1] if ctx.tail_inside is not None else None)
+    # So do the program's last matmuls: a layer shared by every layer holds the head at one call.
+    tail = (
+        ctx.tail,
+        ctx.tail_inside[1] if ctx.tail_inside is not None else None,
+        ctx.last_matmuls_inside[1] if ctx.last_matmuls_inside is not None else None,
+    )
     key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics, ctx.recompute, higher_order, paused, tail)
     if cacheable:
         try:

@@ -26,7 +26,7 @@ from .._dtypes import is_castable
 from .._jaxpr import MATMUL_NAMES, holds_matmul, merge_runs
 from ..analyses._regions import Regions
 from ..analyses._statistics import plan_statistics
-from ..analyses._tail import Path, tail_paths
+from ..analyses._tail import Path, Tail, find_tail, path_body
 from . import _site_state
 from ._rules import PolicyTable, requested_precision, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
@@ -39,6 +39,7 @@ __all__ = [
     "Handler",
     "differentiation_depth",
     "interpret",
+    "is_last_matmul",
     "register",
     "warn_once",
 ]
@@ -86,9 +87,8 @@ class EquationRewrite(NamedTuple):
     returning one of these; amp asks it before calling the rule. It is for a
     rule that must replace the equation, not only cast its operands (fp8 mode
     quantises both operands, runs the matmul in float8 and rescales, see
-    `jaxamp.fp8._matmul`). A rule object may also define ``for_program(jaxpr) -> rule``:
-    amp calls it once per amp'd program, with the program's jaxpr, and uses
-    the rule it returns for that program.
+    `jaxamp.fp8._matmul`). While it runs, `differentiation_depth` and
+    `is_last_matmul` say where the equation stands.
 
     Attributes:
         fn: ``fn(*invars) -> outputs`` (a list for multiple-result primitives),
@@ -130,6 +130,10 @@ class AmpContext:
         tail_inside: ``(body, paths)`` when the next jaxpr to be interpreted
             is the body of a call: the `jaxamp.analyses._tail.Path` of each of
             its equations in the tail, as its caller's analysis found them.
+        last_matmuls_inside: ``(body, paths)`` when the next jaxpr to be
+            interpreted is the body of a call, a loop or a shard_map
+            (`jaxamp.analyses._tail.path_body`): the paths of the program's
+            last matmuls in it (`jaxamp.analyses._tail.Tail.last_matmuls`).
         recompute: evaluate norm regions and the program's tail under
             `jax.checkpoint` (see `_evaluate_recomputed`); off for programs
             that are never differentiated (eager calls), where it only costs.
@@ -155,6 +159,7 @@ class AmpContext:
     statistics_inputs: tuple[Any, tuple] | None = None
     tail: bool = False
     tail_inside: tuple[Any, frozenset] | None = None
+    last_matmuls_inside: tuple[Any, frozenset] | None = None
     recompute: bool = True
     differentiated: int = 0
     around_custom_vjp: Any = None
@@ -169,6 +174,7 @@ class AmpContext:
             call_sites=self.call_sites + (eqn,),
             statistics_inputs=statistics_inputs,
             tail_inside=None,
+            last_matmuls_inside=None,
             differentiated=max(self.differentiated, *map(_compat.differentiation_depth, invals), 0),
             around_custom_vjp=_around_custom_vjp_in(self.around_custom_vjp, eqn),
         )
@@ -240,20 +246,21 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     for v, value in zip(jaxpr.invars, args, strict=True):
         _write(env, v, value)
     program = not ctx.call_sites  # the amp'd program itself, not a body inside it
-    if program:
-        ctx = _for_program(ctx, jaxpr)
     # A loop or cond body in the tail runs as tail whole (`AmpContext.tail`);
     # a call's body was classified with its caller (`AmpContext.tail_inside`);
-    # any other is classified here.
+    # any other is classified here. The last matmuls are the program's: a
+    # body's come from its caller.
+    found = find_tail(jaxpr) if program else Tail(frozenset(), frozenset())
     paths: frozenset[Path] = frozenset()
     if not ctx.tail:
         given_tail = ctx.tail_inside
-        paths = given_tail[1] if given_tail is not None and given_tail[0] is jaxpr else tail_paths(jaxpr, program)
-    inside: dict[int, frozenset[Path]] = {}
-    for path in paths:
-        if len(path) > 1:
-            inside.setdefault(path[0], frozenset())
-            inside[path[0]] |= {path[1:]}
+        if given_tail is not None and given_tail[0] is jaxpr:
+            paths = given_tail[1]
+        else:
+            paths = found.paths if program else find_tail(jaxpr, program=False).paths
+    given_last = ctx.last_matmuls_inside
+    last_matmuls = given_last[1] if given_last is not None and given_last[0] is jaxpr else found.last_matmuls
+    inside, last_inside = _inside(paths), _inside(last_matmuls)
     # Equations in the tail, calls holding some of it among them (for the
     # runs recomputed under `jax.checkpoint`).
     tail = frozenset(p[0] for p in paths if len(p) == 1) | {i for i in inside if not holds_matmul(jaxpr.eqns[i])}
@@ -275,6 +282,9 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
                     nested = dataclasses.replace(nested, tail=True)
                 elif body is not None and not in_tail:
                     nested = dataclasses.replace(nested, tail_inside=(body, inside.get(i, frozenset())))
+                entered = path_body(eqn)
+                if entered is not None:
+                    nested = dataclasses.replace(nested, last_matmuls_inside=(entered, last_inside.get(i, frozenset())))
                 if eqn.primitive is _compat.custom_vjp_call_p and ctx.around_custom_vjp is not None:
                     outvals = ctx.around_custom_vjp(
                         eqn, invals, lambda ins: _run_handler(handler, ctx, nested, eqn, list(ins))
@@ -289,6 +299,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
                     statistic=i in plan.statistics,
                     bounded=i in plan.bounded,
                     tail=in_tail,
+                    last_matmul=(i,) in last_matmuls,
                     casts=casts,
                 )
         if not eqn.primitive.multiple_results:
@@ -488,14 +499,13 @@ def _structure(eqns: list, inputs: list, outputs: list) -> tuple:
     return tuple(parts), tuple(where[v] for v in outputs)
 
 
-def _for_program(ctx: AmpContext, jaxpr: Any) -> AmpContext:
-    # Rules that decide by the whole program (see `EquationRewrite`). The new
-    # table is part of the key of amp's cache of rewritten bodies, so a body
-    # rewritten for one program is not reused for another.
-    specialised = {key: rule.for_program(jaxpr) for key, rule in ctx.policy.items() if hasattr(rule, "for_program")}
-    if not specialised:
-        return ctx
-    return dataclasses.replace(ctx, policy=PolicyTable({**ctx.policy, **specialised}))
+def _inside(paths: frozenset[Path]) -> dict[int, frozenset[Path]]:
+    """`paths` inside bodies, by the index of the equation holding the body, relative to it."""
+    inside: dict[int, frozenset[Path]] = {}
+    for path in paths:
+        if len(path) > 1:
+            inside[path[0]] = inside.get(path[0], frozenset()) | {path[1:]}
+    return inside
 
 
 def _run_handler(handler: Handler, ctx: AmpContext, nested: AmpContext, eqn: Any, invals: list) -> Any:
@@ -517,6 +527,18 @@ def _run_handler(handler: Handler, ctx: AmpContext, nested: AmpContext, eqn: Any
 
 
 _DIFFERENTIATED: contextvars.ContextVar[int] = contextvars.ContextVar("jaxamp_differentiated", default=0)
+_LAST_MATMUL: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_last_matmul", default=False)
+
+
+def is_last_matmul() -> bool:
+    """For an equation-rewriting rule: whether it rewrites one of the program's last matmuls.
+
+    A matmul whose result reaches the program's outputs with no matmul after
+    it (the logits head), found by its place in the program
+    (`jaxamp.analyses._tail.Tail.last_matmuls`): at one call of a body shared
+    by every layer, not at the others.
+    """
+    return _LAST_MATMUL.get()
 
 
 def differentiation_depth() -> int:
@@ -580,6 +602,7 @@ def _apply_rule(
     statistic: bool = False,
     bounded: bool = False,
     tail: bool = False,
+    last_matmul: bool = False,
     casts: dict | None = None,
 ) -> Any:
     scopes = ctx.scopes + _compat.eqn_scopes(eqn)
@@ -604,10 +627,11 @@ def _apply_rule(
             if site_state is not None:  # names the equation's site, should the rule take one
                 site_state.scopes = scopes
             depth = max(ctx.differentiated, *map(_compat.differentiation_depth, operands), 0)
-            token = _DIFFERENTIATED.set(depth)
+            token, last = _DIFFERENTIATED.set(depth), _LAST_MATMUL.set(last_matmul)
             try:
                 rewrite = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *operands, **params)
             finally:
+                _LAST_MATMUL.reset(last)
                 _DIFFERENTIATED.reset(token)
         if rewrite is not None and rewrite.fn is not None:
             return rewrite.fn(*operands), operands, tuple(rewrite.operand_dtypes), rewrite
