@@ -332,3 +332,16 @@ def test_a_nan_metric_beside_the_loss_does_not_hold_back_the_statistics_of_an_ap
     )
     assert np.isnan(float(metric))
     assert not np.array_equal(np.asarray(new["bn"]["mean"]), np.asarray(stats["bn"]["mean"]))  # committed
+
+
+def test_the_states_own_scale_given_as_an_array_is_recognised_by_the_update(recwarn):
+    optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
+
+    @jax.jit
+    def step(state):
+        grad = jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=state.scale))(_params(), _x())
+        return grad, optimizer.update(grad, state, _params())
+
+    grad, _ = step(optimizer.init(_params()))
+    assert not [w for w in recwarn if "jaxamp.loss_scaling's update" in str(w.message)]
+    _close(grad, jax.grad(_loss)(_params(), _x()))

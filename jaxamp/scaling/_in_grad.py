@@ -177,23 +177,24 @@ class LossScaling:
         scale_outputs: Any = scale_on_backward
         if self.from_state:
             check_scale_is_live(scale)
-            scaler = find_scaler_state(self.given).scaler
-            # `nnx.Optimizer` holds it in a Variable; its update reads the value.
-            use = record_use(_compat.nnx_raw_value(scaler) if _compat.has_nnx_objects(scaler) else scaler)
-            if use is not None:
-                scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
+        # A scale given as an array may be the state's own (``opt_state.scale``):
+        # recorded too, so the update finds it.
+        scaler = find_scaler_state(self.given).scaler if self.from_state else self.given
+        # `nnx.Optimizer` holds it in a Variable; its update reads the value.
+        use = record_use(_compat.nnx_raw_value(scaler) if _compat.has_nnx_objects(scaler) else scaler)
+        if use is not None:
+            scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
 
         def wrap_inputs(args: list, consts: list) -> tuple[list, list]:
             # Closed-over values are tracers where a gradient is taken of them
             # (a closure's parameters, an Equinox module passed as the function).
-            chosen = [
-                (i, v)
-                for i, v in enumerate([*args, *consts])
-                if _is_scalable(v) and (i < len(args) or isinstance(v, jax.core.Tracer))
-            ]
             values = [*args, *consts]
-            for (i, _), wrapped in zip(chosen, unscale_all_on_backward([v for _, v in chosen], scale)):
-                values[i] = wrapped
+            chosen = [
+                i for i, v in enumerate(values) if _is_scalable(v) and (i < len(args) or isinstance(v, jax.core.Tracer))
+            ]
+            if chosen:
+                for i, wrapped in zip(chosen, unscale_all_on_backward([values[i] for i in chosen], scale)):
+                    values[i] = wrapped
             return values[: len(args)], values[len(args) :]
 
         hooks = {
