@@ -205,6 +205,73 @@ def test_custom_vjp_under_jit_vmap_and_value_and_grad():
     assert per_example.shape == (4, 8, 8) and per_example.dtype == jnp.float32
 
 
+# Closed-over arrays: JAX traces a custom rule's body with them as constants
+# (from JAX 0.12 the traced rule's leading inputs, not constvars).
+_LABELS = jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)
+_MASK = (jnp.arange(8) % 2).astype(jnp.float32)
+
+
+@jax.custom_vjp
+def _closed_over_loss(w, x):
+    return jnp.sum((jnp.tanh(x @ w) - _LABELS) ** 2)
+
+
+def _closed_over_loss_fwd(w, x):
+    y = jnp.tanh(x @ w)
+    err = (y - _LABELS) * _MASK + (y - _LABELS) * (1 - _MASK)  # y - labels, via an array only the rule closes over
+    return jnp.sum((y - _LABELS) ** 2), (w, x, y, err)
+
+
+def _closed_over_loss_bwd(res, g):
+    w, x, y, err = res
+    d = 7.0 * g * 2 * err * (1 - y**2)  # deliberately 7x the true derivative
+    return x.T @ d, d @ w.T
+
+
+_closed_over_loss.defvjp(_closed_over_loss_fwd, _closed_over_loss_bwd)
+
+
+@jax.custom_jvp
+def _closed_over_jvp_loss(w, x):
+    return jnp.sum((jnp.tanh(x @ w) - _LABELS) ** 2)
+
+
+@_closed_over_jvp_loss.defjvp
+def _closed_over_jvp_loss_jvp(primals, tangents):
+    (w, x), (tw, tx) = primals, tangents
+    y = jnp.tanh(x @ w)
+    d = 2 * (y - _LABELS) * _MASK + 2 * (y - _LABELS) * (1 - _MASK)  # as in the custom_vjp's fwd
+    # Deliberately 7x the true derivative.
+    return _closed_over_jvp_loss(w, x), 7.0 * jnp.sum(d * (1 - y**2) * (x @ tw + tx @ w))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("with_value", [True, False], ids=["value_and_grad", "grad"])
+@pytest.mark.parametrize("loss", [_closed_over_loss, _closed_over_jvp_loss], ids=["custom_vjp", "custom_jvp"])
+def test_custom_rules_closing_over_arrays(loss, with_value, jit):
+    # Regression: the rule's traced constants were passed where amp expected
+    # none ("zip() argument 2 is shorter than argument 1" on JAX 0.12).
+    f = lambda w, x: loss(w, x * 2.0)  # noqa: E731
+    true = lambda w, x: jnp.sum((jnp.tanh(2.0 * x @ w) - _LABELS) ** 2)  # noqa: E731
+    transform = jax.value_and_grad if with_value else jax.grad
+    run = transform(amp(f), argnums=(0, 1))
+    out = (jax.jit(run) if jit else run)(W, X)
+    value, (gw, gx) = out if with_value else (None, out)
+    want_w, want_x = jax.grad(f, argnums=(0, 1))(W, X)  # float32, the same rule
+    true_w, true_x = jax.grad(true, argnums=(0, 1))(W, X)
+    # float16 matmuls: within 3e-2 of float32's gradient
+    np.testing.assert_allclose(gw, want_w, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(gx, want_x, rtol=3e-2, atol=3e-2)
+    # The custom rule ran: 7x autodiff's gradient.
+    np.testing.assert_allclose(gw, 7 * true_w, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(gx, 7 * true_x, rtol=3e-2, atol=3e-2)
+    assert gw.dtype == gx.dtype == jnp.float32
+    assert_all_matmuls_in(jax.make_jaxpr(run)(W, X), jnp.float16, at_least=3)
+    if with_value:
+        np.testing.assert_allclose(value, f(W, X), rtol=3e-2)
+        assert value.dtype == jnp.float32
+
+
 @pytest.mark.parametrize(
     "make_mesh",
     [

@@ -76,6 +76,7 @@ __all__ = [
     "primitives_by_name",
     "primitives_in",
     "remat_p",
+    "rule_jaxpr",
     "saved_residuals",
     "scan_layout",
     "scan_p",
@@ -581,6 +582,26 @@ def custom_vjp_subfuns(eqn_params: dict) -> tuple[dict, Any, Any, Any]:
     const_avals = call_jaxpr.in_avals[:num_consts]
     bwd = _handle_consts_in_bwd(params.pop("bwd"), const_avals)
     return params, (call_jaxpr, num_consts), fwd_jaxpr_thunk, bwd
+
+
+@_internal
+def rule_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
+    """A custom rule's traced ``(jaxpr, consts)`` as one `ClosedJaxpr`.
+
+    For the results of a custom_jvp call's ``jvp_jaxpr_fun`` and a custom_vjp
+    call's ``fwd_jaxpr_thunk``. On JAX 0.10 the jaxpr's constvars pair with
+    `consts`; from 0.12 (jaxprs carry their constants) the thunks trace with
+    ``trace_to_jaxpr_dynamic``, whose jaxpr has no constvars: its constants are
+    its leading plain inputs, as ``core.eval_jaxpr(jaxpr, consts, *args)``
+    reads them, and `ClosedJaxpr` attaches them. Either way the result's
+    ``.jaxpr.constvars`` pair with its ``.consts`` and its ``.jaxpr.invars``
+    are the rule's own inputs, as `interpret` expects.
+    """
+    consts = list(consts)
+    closed = ClosedJaxpr(jaxpr, consts)
+    if len(closed.jaxpr.constvars) != len(consts):
+        raise TypeError(f"{len(consts)} constants for {len(closed.jaxpr.constvars)} constvars")
+    return closed
 
 
 def unpack_bwd_result(result: Any) -> tuple[list, Any]:

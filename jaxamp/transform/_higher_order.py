@@ -434,13 +434,14 @@ def _custom_jvp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         n = len(xs) // 2
         primals, tangents = xs[num_consts:n], xs[n + num_consts :]
         zeros = [isinstance(t, _compat.SymbolicZero) for t in tangents]
-        jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+        *traced, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+        rule = _compat.rule_jaxpr(*traced)
         nonzero = [t for t in tangents if not isinstance(t, _compat.SymbolicZero)]
         with (
-            tangents_of(jvp_jaxpr, jvp_jaxpr.invars[len(primals) :]),
+            tangents_of(rule.jaxpr, rule.jaxpr.invars[len(primals) :]),
             _site_state.paused(_IN_CUSTOM_RULE % "jax.custom_jvp"),
         ):
-            out = interpret(jvp_jaxpr, jvp_consts, [*primals, *nonzero], ctx)
+            out = interpret(rule.jaxpr, rule.consts, [*primals, *nonzero], ctx)
         out_primals = _cast_all(out[: len(out_zeros)], out_dtypes)
         nonzero_out = iter(out[len(out_zeros) :])
         out_tangents = [
@@ -475,9 +476,9 @@ def _custom_vjp(ctx: AmpContext, eqn: Any, invals: list) -> Sequence[Any]:
         primals = vals[num_consts:]
         if any(nonzeros[:num_consts]):
             raise _compat.CustomVJPException()
-        fwd_jaxpr, fwd_consts = fwd_jaxpr_thunk.call_wrapped(*nonzeros[num_consts:])
+        rule = _compat.rule_jaxpr(*fwd_jaxpr_thunk.call_wrapped(*nonzeros[num_consts:]))
         with _site_state.paused(_IN_CUSTOM_RULE % "jax.custom_vjp"):
-            out = interpret(fwd_jaxpr, fwd_consts, primals, ctx)
+            out = interpret(rule.jaxpr, rule.consts, primals, ctx)
         res, outs = out[: len(out) - num_out], out[len(out) - num_out :]
         return [*res, *_cast_all(outs, out_dtypes)]
 
