@@ -345,3 +345,23 @@ def test_the_states_own_scale_given_as_an_array_is_recognised_by_the_update(recw
     grad, _ = step(optimizer.init(_params()))
     assert not [w for w in recwarn if "jaxamp.loss_scaling's update" in str(w.message)]
     _close(grad, jax.grad(_loss)(_params(), _x()))
+
+
+def test_a_custom_vjp_rule_in_a_shard_map_body_is_said_to_see_the_scaled_cotangent():
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec("dp")
+
+    def loss(w, x):
+        per_shard = jax.shard_map(
+            lambda w, x: jnp.sum(_clip_gradient(x @ w) ** 2, keepdims=True),
+            mesh=mesh,
+            in_specs=(jax.sharding.PartitionSpec(), spec),
+            out_specs=spec,
+        )(w, x)
+        return jnp.sum(per_shard)
+
+    w, x = _params(), _x()
+    with pytest.warns(UserWarning, match="custom_vjp function inside a shard_map body: its backward rule sees"):
+        grad = jax.grad(jaxamp.amp(loss, compute_dtype="f16", loss_scale=2.0**10))(w, x)
+    # The rule clipped the scaled cotangent, as the warning says (linear rules are exact).
+    assert float(jnp.linalg.norm(grad)) < 0.5 * float(jnp.linalg.norm(jax.grad(_clipped_loss)(w, x)))

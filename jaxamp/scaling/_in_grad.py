@@ -122,8 +122,7 @@ def _unscale_all_bwd(scale, cts):
     finite = forward_finite(cts)
     unscaled = []
     for g in cts:
-        wide = _wide(g.dtype)
-        true_scale = (g.astype(wide) / scale.astype(wide)).astype(g.dtype)
+        true_scale = _unscale_bwd(scale, g)[0]
         unscaled.append(jnp.where(finite, true_scale, jnp.full_like(true_scale, jnp.nan)))
     return unscaled, jnp.zeros_like(scale)
 
@@ -223,11 +222,15 @@ class _CustomVJPScaling:
     would flush), and so is one amp cannot reach; amp says so once.
     """
 
-    def __init__(self, scale: jax.Array):
+    def __init__(self, scale: jax.Array, unreachable_in: str | None = None):
         self.scale = scale
+        self.unreachable_in = unreachable_in
         self.calls = 0
 
     def __call__(self, eqn: Any, invals: list, call: Callable[[list], Any]) -> Any:
+        if self.unreachable_in is not None:
+            _warn_unscaled_rule(f"a custom_vjp function inside {self.unreachable_in}")
+            return call(invals)
         if any(v.aval.dtype == jnp.float16 for v in eqn.outvars):
             _warn_unscaled_rule("a custom_vjp function whose outputs are float16")
             return call(invals)
@@ -235,14 +238,9 @@ class _CustomVJPScaling:
         ins = [scale_on_backward(v, self.scale) if _is_scalable(v) else v for v in invals]
         return [unscale_on_backward(o, self.scale) if _is_scalable(o) else o for o in call(ins)]
 
-    def unreachable(self, where: str) -> Callable[[Any, list, Callable[[list], Any]], Any]:
-        def around(eqn: Any, invals: list, call: Callable[[list], Any]) -> Any:
-            _warn_unscaled_rule(f"a custom_vjp function inside {where}")
-            return call(invals)
-
-        around.calls = 0  # type: ignore[attr-defined]
-        around.unreachable = self.unreachable  # type: ignore[attr-defined]
-        return around
+    def unreachable(self, where: str) -> _CustomVJPScaling:
+        """The hook for bodies the scale cannot reach (`where`): it runs rules as written, and says so."""
+        return _CustomVJPScaling(self.scale, unreachable_in=where)
 
 
 def _warn_unscaled_rule(what: str) -> None:
