@@ -2,6 +2,7 @@
 
 A ```text block right after a Python block (separated by prose only) is its shown
 output: each of its lines must appear, in order, in what the block printed. A block
+whose first line is ``# requires: <module>`` is skipped where that module is missing. A block
 that starts JAX's distributed runtime runs in a fresh process, since
 `jax.distributed.initialize` must precede any other JAX call.
 """
@@ -37,6 +38,11 @@ def _blocks():
 
 @pytest.mark.parametrize("path, code, line, shown", list(_blocks()))
 def test_code_block_runs(path, code, line, shown):
+    # A block for an optional framework (``# requires: tunix`` on its first
+    # line) runs where that framework is installed: CI installs it.
+    required = re.match(r"# requires: ([\w.]+)", code)
+    if required:
+        pytest.importorskip(required.group(1))
     if "jax.distributed.initialize" in code:
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{path.name}:{line} failed:\n{result.stderr[-3000:]}"

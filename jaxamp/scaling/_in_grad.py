@@ -177,25 +177,40 @@ class LossScaling:
 
     def __init__(self, loss_scale: Any):
         self.given = loss_scale
-        self.live = None if isinstance(loss_scale, (int, float, *_SCALE_ARRAYS)) else find_live_scale(loss_scale)
-        if self.live is not None:
-            self.live.attach()
-            self.from_state = False
-            # An `nnx.Optimizer` (or a trainer holding one) shows where the wrapper sits.
-            opt_state = getattr(getattr(loss_scale, "optimizer", loss_scale), "opt_state", None)
-            if opt_state is not None:
-                check_placement(opt_state, live=True)
-            return
-        if isinstance(loss_scale, optax.GradientTransformation):
+        scalar = isinstance(loss_scale, (int, float, *_SCALE_ARRAYS))
+        self.live = None if scalar else find_live_scale(loss_scale)
+        self.from_state = not scalar and _holds_scale_state(loss_scale)
+        if self.live is not None and not self.from_state:
+            self.live.attach()  # the only scale amp was given
+        elif self.live is None and isinstance(loss_scale, optax.GradientTransformation):
             raise ValueError(
                 "amp's loss_scale is an optax transformation that holds no jaxamp.loss_scaling: there is "
                 "no loss scale to read. Wrap the optimizer, tx = jaxamp.loss_scaling(optax.adamw(...)), "
                 "hand tx to the framework and give amp the same tx."
             )
-        as_loss_scale(loss_scale)  # a bad value is named when amp is made
-        self.from_state = not isinstance(loss_scale, (int, float, *_SCALE_ARRAYS))
+        elif not self.from_state:
+            as_loss_scale(loss_scale)  # a bad value is named when amp is made
         if self.from_state:
-            check_placement(loss_scale)
+            check_placement(loss_scale, live=self.live is not None)
+        elif self.live is not None:
+            # An `nnx.Optimizer` (or a trainer holding one) shows where the wrapper sits.
+            opt_state = getattr(getattr(loss_scale, "optimizer", loss_scale), "opt_state", None)
+            if opt_state is not None:
+                check_placement(opt_state, live=True)
+
+    def _reads_live(self) -> bool:
+        """Whether this call reads the live scale: given no state, or a state the compiled step does not take.
+
+        A state that is a value of the step (an argument, as under ``pmap``)
+        is read as before; one held from outside (an ``nnx.Optimizer`` given
+        to amp before the framework's ``nnx.jit``) would be a constant there.
+        """
+        if self.live is None:
+            return False
+        if not self.from_state:
+            return True
+        scale = as_loss_scale(self.given)
+        return not isinstance(scale, jax.core.Tracer) and _compat.compiling()
 
     def run(self, call: Callable[..., Any], inputs: Any) -> Any:
         """``call(**hooks)`` (`AmpOptions.run`'s keywords) with the scale applied; its output, state kept.
@@ -214,11 +229,16 @@ class LossScaling:
             )
         scale_outputs: Any = scale_on_backward
         unscale_inputs: Any = unscale_all_on_backward
-        if self.live is not None:
+        if self._reads_live():
+            assert self.live is not None
+            self.live.attach()
             scale = self.live.read_scale()
             note_live_call()
             unscale_inputs = functools.partial(unscale_all_live, live=self.live)
         else:
+            if self.live is not None:
+                # Read from the state, the placements the live scale allows are not all allowed.
+                check_placement(self.given)
             scale = as_loss_scale(self.given)
             if self.from_state:
                 check_scale_is_live(scale)
@@ -287,6 +307,11 @@ class _CustomVJPScaling:
     def unreachable(self, where: str) -> _CustomVJPScaling:
         """The hook for bodies the scale cannot reach (`where`): it runs rules as written, and says so."""
         return _CustomVJPScaling(self.scale, unreachable_in=where)
+
+
+def _holds_scale_state(tree: Any) -> bool:
+    """Whether `tree` holds a `LossScaleState` or `DynamicScalerState` among its pytree nodes."""
+    return any(is_scale_state(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_scale_state))
 
 
 def _warn_unscaled_rule(what: str) -> None:
