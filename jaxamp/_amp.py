@@ -71,7 +71,12 @@ def amp(
             whole state tree, or a flax ``TrainState`` holding it; its one
             `LossScaleState` is found by type), a
             `DynamicScalerState`, or a scale (a positive float or float
-            scalar array). The function's value is unchanged; a transform
+            scalar array). Where a framework's step owns the state (Tunix,
+            MaxText): the `jaxamp.loss_scaling` transformation itself (or an
+            optax wrapper, an ``nnx.Optimizer`` or a trainer holding it),
+            whose live scale amp reads in whatever traces the function (an
+            overflow then hands back zeros, not NaN, and flags the update;
+            docs/porting.md). The function's value is unchanged; a transform
             that differentiates it (`jax.grad`, `equinox.filter_grad`,
             `nnx.grad`...) multiplies the output's cotangent by the scale,
             runs the half-precision backward pass on the scaled values, and

@@ -56,7 +56,7 @@ def _parse_run(out: str, options: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bf16", "f16", "fp8", "fp8-delayed"], default="bf16")
     parser.add_argument("--axis-type", choices=["explicit", "auto"], default="explicit")
     parser.add_argument("--redo-on-nan", type=int, default=0)
-    parser.add_argument("--api", choices=["explicit", "wrapper"], default="explicit")
+    parser.add_argument("--api", choices=["explicit", "wrapper", "live"], default="explicit")
     parser.add_argument("--low-precision", action="store_true")
     parser.add_argument("--float32-reductions", action="store_true")
     parser.add_argument("--steps", type=int, default=8)
@@ -197,8 +197,9 @@ def main():
                 return params, opt_state, scaler, fp8_state.update(observed), loss, opt_state.last_finite
 
             opt_state = optimizer.init(params)
-        elif ARGS.api == "wrapper":
-            # The scale in the optimizer state; amp scales inside the gradient.
+        elif ARGS.api in ("wrapper", "live"):
+            # The scale in the optimizer state; amp scales inside the gradient,
+            # reading it from the state (wrapper) or the transformation (live).
             optimizer = jaxamp.loss_scaling(
                 make_optimizer(), scaler=2.0**15, patience=3, axis_name="dp" if ARGS.mode == "shard_map" else None
             )
@@ -207,7 +208,7 @@ def main():
                 loss = jaxamp.amp(
                     loss_fn,
                     compute_dtype=compute_dtype,
-                    loss_scale=opt_state,
+                    loss_scale=optimizer if ARGS.api == "live" else opt_state,
                     float32_gradient_reductions=ARGS.float32_reductions,
                 )
                 return jax.value_and_grad(loss)(params, x, y)

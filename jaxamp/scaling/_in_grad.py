@@ -29,8 +29,9 @@ from .. import _compat
 from ._backward_scale import scaling_backward
 from ._dynamic_scaler import DynamicScalerState
 from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, on_every_device, select_tree
+from ._live_scale import LiveScale, find_live_scale
 from ._loss_scaling import LossScaleState, find_scaler_state, is_scale_state
-from ._scale_uses import ScaleUse, record_use
+from ._scale_uses import ScaleUse, note_live_call, record_use
 
 __all__ = [
     "LossScaling",
@@ -130,6 +131,30 @@ def _unscale_all_bwd(scale, cts):
 unscale_all_on_backward.defvjp(_unscale_all_fwd, _unscale_all_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def unscale_all_live(values: list, scale: jax.Array, live: LiveScale) -> list:
+    """`unscale_all_on_backward` for a live scale: zeros where any cotangent is not finite, and `live` told.
+
+    Zeros, not NaN: optax's ``MultiSteps`` keeps a NaN in its accumulator for
+    good; the update skips the step by the flag instead.
+    """
+    return values
+
+
+def _unscale_live_fwd(values, scale, live):
+    return values, scale
+
+
+def _unscale_live_bwd(live, scale, cts):
+    finite = forward_finite(cts)
+    live.mark_overflow(finite)
+    unscaled = [_unscale_bwd(scale, g)[0] for g in cts]
+    return [jnp.where(finite, g, jnp.zeros_like(g)) for g in unscaled], jnp.zeros_like(scale)
+
+
+unscale_all_live.defvjp(_unscale_live_fwd, _unscale_live_bwd)
+
+
 def _is_scalable(x: Any) -> bool:
     return is_inexact_leaf(x) and not isinstance(x, (float, complex))
 
@@ -151,8 +176,23 @@ class LossScaling:
     """
 
     def __init__(self, loss_scale: Any):
-        as_loss_scale(loss_scale)  # a bad value is named when amp is made
         self.given = loss_scale
+        self.live = None if isinstance(loss_scale, (int, float, *_SCALE_ARRAYS)) else find_live_scale(loss_scale)
+        if self.live is not None:
+            self.live.attach()
+            self.from_state = False
+            # An `nnx.Optimizer` (or a trainer holding one) shows where the wrapper sits.
+            opt_state = getattr(getattr(loss_scale, "optimizer", loss_scale), "opt_state", None)
+            if opt_state is not None:
+                check_placement(opt_state, live=True)
+            return
+        if isinstance(loss_scale, optax.GradientTransformation):
+            raise ValueError(
+                "amp's loss_scale is an optax transformation that holds no jaxamp.loss_scaling: there is "
+                "no loss scale to read. Wrap the optimizer, tx = jaxamp.loss_scaling(optax.adamw(...)), "
+                "hand tx to the framework and give amp the same tx."
+            )
+        as_loss_scale(loss_scale)  # a bad value is named when amp is made
         self.from_state = not isinstance(loss_scale, (int, float, *_SCALE_ARRAYS))
         if self.from_state:
             check_placement(loss_scale)
@@ -172,17 +212,23 @@ class LossScaling:
                 "none. Take forward-mode derivatives of amp without loss_scale (bfloat16 needs none), "
                 "or use reverse mode (jax.grad, jax.jacrev)."
             )
-        scale = as_loss_scale(self.given)
         scale_outputs: Any = scale_on_backward
-        if self.from_state:
-            check_scale_is_live(scale)
-        # A scale given as an array may be the state's own (``opt_state.scale``):
-        # recorded too, so the update finds it.
-        scaler = find_scaler_state(self.given).scaler if self.from_state else self.given
-        # `nnx.Optimizer` holds it in a Variable; its update reads the value.
-        use = record_use(_compat.nnx_raw_value(scaler) if _compat.has_nnx_objects(scaler) else scaler)
-        if use is not None:
-            scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
+        unscale_inputs: Any = unscale_all_on_backward
+        if self.live is not None:
+            scale = self.live.read_scale()
+            note_live_call()
+            unscale_inputs = functools.partial(unscale_all_live, live=self.live)
+        else:
+            scale = as_loss_scale(self.given)
+            if self.from_state:
+                check_scale_is_live(scale)
+            # A scale given as an array may be the state's own (``opt_state.scale``):
+            # recorded too, so the update finds it.
+            scaler = find_scaler_state(self.given).scaler if self.from_state else self.given
+            # `nnx.Optimizer` holds it in a Variable; its update reads the value.
+            use = record_use(_compat.nnx_raw_value(scaler) if _compat.has_nnx_objects(scaler) else scaler)
+            if use is not None:
+                scale_outputs = lambda x, scale: _scale_and_mark(x, scale, use)  # noqa: E731
 
         def wrap_inputs(args: list, consts: list) -> tuple[list, list]:
             # Closed-over values are tracers where a gradient is taken of them
@@ -192,7 +238,7 @@ class LossScaling:
                 i for i, v in enumerate(values) if _is_scalable(v) and (i < len(args) or isinstance(v, jax.core.Tracer))
             ]
             if chosen:
-                for i, wrapped in zip(chosen, unscale_all_on_backward([values[i] for i in chosen], scale)):
+                for i, wrapped in zip(chosen, unscale_inputs([values[i] for i in chosen], scale)):
                     values[i] = wrapped
             return values[: len(args)], values[len(args) :]
 
@@ -253,7 +299,7 @@ def _warn_unscaled_rule(what: str) -> None:
     )
 
 
-def check_placement(tree: Any) -> None:
+def check_placement(tree: Any, live: bool = False) -> None:
     """Raise where the `LossScaleState` in `tree` sits where a skipped step would still commit state.
 
     Its zero updates and kept state make a skipped step a no-op only where
@@ -276,7 +322,7 @@ def check_placement(tree: Any) -> None:
         return  # `find_scaler_state` says what is wrong
     node = tree
     for key in paths[0]:
-        problem = _placement_problem(node, key)
+        problem = _placement_problem(node, key, live)
         if problem:
             raise ValueError(
                 f"amp's loss_scale holds jaxamp.loss_scaling's state {problem}, so a skipped "
@@ -290,8 +336,9 @@ def check_placement(tree: Any) -> None:
             return
 
 
-def _placement_problem(node: Any, key: Any) -> str | None:
-    if isinstance(node, optax.MultiStepsState) and getattr(key, "name", None) == "inner_opt_state":
+def _placement_problem(node: Any, key: Any, live: bool) -> str | None:
+    # A live scale's overflow leaves zeros, not NaN, in MultiSteps' accumulator.
+    if not live and isinstance(node, optax.MultiStepsState) and getattr(key, "name", None) == "inner_opt_state":
         return "inside optax.MultiSteps (whose accumulator keeps a NaN micro-batch for every later step)"
     if isinstance(node, optax.MultiTransformState):
         return "in one partition of optax.multi_transform (the others would take the non-finite gradients)"

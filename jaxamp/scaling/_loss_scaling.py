@@ -24,6 +24,7 @@ import optax
 from .._dtypes import array_part
 from ._dynamic_scaler import DynamicScalerState, next_scaler_state
 from ._finite import AxisName, check_axis_name, select_tree
+from ._live_scale import LiveScale
 from ._optax import check_optimizer, gradients_finite, update_if_finite
 from ._scale_uses import check_scale_use
 
@@ -97,7 +98,19 @@ def loss_scaling(
     the chain, the ``multi_transform`` or the ``MultiSteps``, not a part of
     it (amp refuses those placements).
 
-    With gradient accumulation, wrap the accumulator:
+    Where the framework owns the step (Tunix, MaxText) and the state never
+    reaches the loss, give amp the transformation instead: ``tx =
+    loss_scaling(opt)``, handed to the framework, and ``amp(loss,
+    compute_dtype="f16", loss_scale=tx)``. amp then reads the scale from
+    cells the transformation keeps (`jax.Ref`), which this update writes;
+    an overflowing backward pass hands back zero gradients and flags the
+    update, which skips the step. Inside ``optax.MultiSteps`` too (a Tunix
+    trainer's order): the real step is skipped where any of its micro-batches
+    overflowed. Not inside a ``shard_map`` or ``pmap`` body (pass the state
+    there). After a restore, the first step reads the initial scale; if it
+    overflows there, it is skipped and the restored scale kept.
+
+    With gradient accumulation and the state given to amp, wrap the accumulator:
     ``loss_scaling(optax.MultiSteps(opt, k))``. The decision is then one per
     real step, as PyTorch's ``GradScaler`` makes it around accumulated
     gradients: a non-finite micro-batch is not accumulated (MultiSteps counts
@@ -149,8 +162,11 @@ def loss_scaling(
     # array made out here would be a closed-over input, which JAX rejects),
     # fresh per call, so the state can be donated to a jit'd step.
     initial = jax.tree_util.tree_map(_as_numpy_if_concrete, initial)
+    # Its cells need the initial scale as a number, and no enclosing trace.
+    live = LiveScale(initial.scaler if isinstance(initial.scaler, np.ndarray) else None)
 
     def init(params: Any) -> LossScaleState:
+        live.place_like(params)
         return LossScaleState(
             inner_state=inner.init(array_part(params)),
             scaler_state=jax.tree_util.tree_map(jnp.array, initial),
@@ -163,18 +179,34 @@ def loss_scaling(
             raise TypeError(
                 f"jaxamp.loss_scaling's update expects the LossScaleState its init made, got {type(state).__name__}."
             )
-        check_scale_use(state.scaler_state.scaler)
         finite = gradients_finite(grads, axis_name, what="jaxamp.loss_scaling")
+        # Given to amp as ``loss_scale=tx``, its backward hands back zeros where
+        # it overflowed, and says so here.
+        overflow, stale = live.overflow_since_commit(state.scaler_state) if live.attached else (None, None)
+        if overflow is not None:
+            finite = finite & ~overflow
+        else:
+            check_scale_use(state.scaler_state.scaler)
         if isinstance(state.inner_state, optax.MultiStepsState):
-            return _accumulating_update(inner, state, finite, grads, params, **extra_args)
-        updates, inner_state = update_if_finite(inner, finite, grads, state.inner_state, params, **extra_args)
-        return updates, LossScaleState(
-            inner_state=inner_state,
-            scaler_state=next_scaler_state(state.scaler_state, finite),
-            last_finite=finite,
-            step_finite=finite,
-        )
+            updates, new_state = _accumulating_update(inner, state, finite, grads, params, **extra_args)
+        else:
+            updates, inner_state = update_if_finite(inner, finite, grads, state.inner_state, params, **extra_args)
+            new_state = LossScaleState(
+                inner_state=inner_state,
+                scaler_state=next_scaler_state(state.scaler_state, finite),
+                last_finite=finite,
+                step_finite=finite,
+            )
+        if overflow is not None and stale is not None:
+            # An overflow at a stale scale (the first step after a restore) skips
+            # the step but leaves the restored scale, and the window, as they were.
+            moved = new_state.scaler_state
+            kept_scale = moved._replace(scaler=state.scaler_state.scaler, count=state.scaler_state.count)
+            new_state = new_state._replace(scaler_state=select_tree(stale & overflow, kept_scale, moved))
+            live.commit(overflow & ~stale, new_state.scaler_state)
+        return updates, new_state
 
+    update._jaxamp_live_scale = live  # type: ignore[attr-defined]
     return optax.GradientTransformationExtraArgs(init, update)
 
 

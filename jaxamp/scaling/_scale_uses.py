@@ -70,6 +70,12 @@ def record_use(scaler: Any) -> ScaleUse | None:
     return use
 
 
+def note_live_call() -> None:
+    """amp scaled a call by a transformation's live scale: its update then knows the gradients were scaled."""
+    global _calls_since_update
+    _calls_since_update += 1
+
+
 def _trace_id(x: Any) -> int | None:
     trace = getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
     return None if trace is None else id(trace)

@@ -1,0 +1,211 @@
+"""The live loss scale of one `loss_scaling` transformation, readable in whatever traces the loss.
+
+``amp(loss, loss_scale=opt_state)`` needs the optimizer state inside the
+function that takes the gradient. Where a framework owns that function (Tunix's
+trainers, MaxText's ``train_step``) the user cannot pass it: the state exists
+only inside the framework's jitted step. So the transformation itself carries
+its scale in `jax.Ref` cells (JAX lifts refs a jitted function closes over into
+its inputs and outputs): ``amp(loss, loss_scale=tx)`` reads the scale from
+them, the transformation's update writes the next one. The state stays the
+record (checkpoints restore it; the update steers by it); the cells follow it.
+
+amp's backward pass, given a live scale, hands back zeros where it overflowed
+and sets a flag the update reads, rather than NaN gradients: optax's
+``MultiSteps`` (which Tunix puts around the user's optimizer) resets its
+accumulator by multiplying it by 0, which would keep a NaN forever. The update
+skips a step whose flag was set since the last update that was committed, so
+inside ``MultiSteps`` (whose wrapped update runs at every micro-batch, its state
+kept only at the real step) one overflowing micro-batch skips the real step.
+It knows a committed update from a discarded one by the state it is handed:
+the one its last call produced (committed) or an older one (discarded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat
+
+__all__ = ["LiveScale", "find_live_scale"]
+
+
+class LiveScale:
+    """The cells of one `loss_scaling` transformation: its scale, amp's overflow flag, the last state it made.
+
+    Attributes:
+        attached: whether amp was given this transformation (``loss_scale=tx``):
+            only then does the update read and write the cells, so a
+            transformation used with ``loss_scale=opt_state`` adds no
+            side effect to the step (nor a closed-over ref inside ``pmap``).
+    """
+
+    def __init__(self, initial_scale: Any):
+        self.initial_scale = None if initial_scale is None else float(initial_scale)
+        self.attached = False
+        self._cells: dict[str, Any] | None = None
+        if self.initial_scale is not None and not _compat.staging():
+            self._cells = self._make(None)
+
+    def _make(self, sharding: Any) -> dict[str, Any]:
+        def cell(value: Any) -> Any:
+            value = np.asarray(value)
+            return jax.new_ref(value if sharding is None else jax.device_put(value, sharding))
+
+        return {
+            "scale": cell(np.float32(self.initial_scale)),
+            # amp's backward overflowed since the last update read the flag.
+            "overflow": cell(np.bool_(False)),
+            # an overflow since the last committed update, as of the last update.
+            "window": cell(np.bool_(False)),
+            # what the last update produced (scale, count, total_resets); -1: none yet.
+            "last_scale": cell(np.float32(-1.0)),
+            "last_count": cell(np.int32(-1)),
+            "last_resets": cell(np.int32(-1)),
+        }
+
+    def place_like(self, params: Any) -> None:
+        """Remake the cells replicated over the mesh `params` live on (eagerly, at the optimizer's init).
+
+        A jitted step over a mesh takes its closed-over refs on that mesh; a
+        ref on one device would not be. Traced params leave the cells as made.
+        """
+        if self._cells is None or _compat.staging():
+            return
+        mesh = next(
+            (
+                leaf.sharding.mesh
+                for leaf in jax.tree_util.tree_leaves(params)
+                if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, jax.sharding.NamedSharding)
+            ),
+            None,
+        )
+        replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self._cells = self._make(replicated)
+
+    def cells(self) -> dict[str, Any]:
+        if self._cells is None:
+            raise ValueError(
+                "amp's loss_scale is a jaxamp.loss_scaling transformation made inside a traced function "
+                "(under jax.jit) or with a traced initial scale: its live scale needs cells made outside "
+                "any trace, from a number. Build the optimizer outside the jitted step, or pass the "
+                "optimizer state: loss_scale=opt_state."
+            )
+        return self._cells
+
+    def attach(self) -> None:
+        """amp was given this transformation: from now on its update reads and writes the cells."""
+        self.cells()
+        self.attached = True
+
+    def read_scale(self) -> jax.Array:
+        """The scale, as a value of the program being traced (float32 scalar)."""
+        if _compat.manual_axes():
+            raise ValueError(
+                "amp's loss_scale is a jaxamp.loss_scaling transformation (a live scale) inside a "
+                "shard_map or pmap body, which cannot close over its cells. Pass the optimizer state "
+                "into the mapped function instead: jaxamp.amp(loss, compute_dtype='f16', loss_scale=opt_state)."
+            )
+        return self.cells()["scale"][...]
+
+    def mark_overflow(self, finite: jax.Array) -> None:
+        """amp's backward pass: record that it overflowed (where `finite` is false)."""
+        cell = self.cells()["overflow"]
+        cell[...] = cell[...] | ~finite
+
+    def overflow_since_commit(self, scaler_state: Any) -> tuple[jax.Array, jax.Array]:
+        """Whether amp overflowed since the last update whose result was kept, and whether at a stale scale.
+
+        `scaler_state` is the state the update is handed. The last call's
+        result was kept where it is that state (inside ``MultiSteps`` a
+        micro-batch's update is dropped until the real step). A repeated value
+        (a call that changed none of scale, count and resets) leaves the window
+        as it was, which was empty: such a call saw no overflow.
+
+        Stale: this is the cells' first update and the scale amp read is not
+        the state's, as on the first step after a checkpoint restored the
+        state. An overflow there says nothing of the state's scale.
+        """
+        c = self.cells()
+        handed = (
+            jnp.asarray(scaler_state.scaler, jnp.float32),
+            jnp.asarray(scaler_state.count, jnp.int32),
+            jnp.asarray(scaler_state.total_resets, jnp.int32),
+        )
+        last = (c["last_scale"][...], c["last_count"][...], c["last_resets"][...])
+        kept = jnp.all(jnp.stack([a == b for a, b in zip(handed, last)]))
+        overflow = jnp.where(kept, False, c["window"][...]) | c["overflow"][...]
+        stale = (last[0] < 0) & (c["scale"][...] != handed[0])
+        return overflow, stale
+
+    def commit(self, overflow: jax.Array, scaler_state: Any) -> None:
+        """The update's end: the window it decided on, the state it made, the scale amp reads next."""
+        c = self.cells()
+        c["window"][...] = overflow
+        c["overflow"][...] = jnp.array(False)
+        c["last_scale"][...] = jnp.asarray(scaler_state.scaler, jnp.float32)
+        c["last_count"][...] = jnp.asarray(scaler_state.count, jnp.int32)
+        c["last_resets"][...] = jnp.asarray(scaler_state.total_resets, jnp.int32)
+        c["scale"][...] = jnp.asarray(scaler_state.scaler, jnp.float32)
+
+
+# How deep `find_live_scale` looks through closures and wrappers.
+_DEPTH = 6
+
+
+def find_live_scale(obj: Any) -> LiveScale | None:
+    """The `LiveScale` of the one `loss_scaling` transformation `obj` holds, else None.
+
+    `obj` is the transformation, one that wraps it (``optax.chain``,
+    ``optax.MultiSteps``, ``inject_hyperparams``), an ``nnx.Optimizer`` (its
+    ``tx``) or an object holding one as ``optimizer`` (a Tunix trainer).
+
+    Raises:
+        ValueError: `obj` holds more than one.
+    """
+    found: list[LiveScale] = []
+    seen: set[int] = set()
+
+    def visit(x: Any, depth: int) -> None:
+        if depth > _DEPTH or id(x) in seen or x is None:
+            return
+        seen.add(id(x))
+        live = getattr(x, "_jaxamp_live_scale", None)
+        if isinstance(live, LiveScale):
+            if all(live is not f for f in found):
+                found.append(live)
+            return
+        if isinstance(x, tuple) and hasattr(x, "update") and hasattr(x, "init"):  # a GradientTransformation
+            visit(x.update, depth + 1)
+            visit(x.init, depth + 1)
+        elif callable(x) and hasattr(x, "__self__"):  # a bound method (MultiSteps.update)
+            visit(x.__self__, depth + 1)
+        elif hasattr(x, "__closure__") and x.__closure__:
+            for c in x.__closure__:
+                try:
+                    visit(c.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+        elif isinstance(x, (tuple, list)):
+            for item in x:
+                visit(item, depth + 1)
+        elif isinstance(x, dict):
+            for item in x.values():
+                visit(item, depth + 1)
+        else:
+            for name in ("_opt", "tx", "optimizer", "inner"):
+                child = getattr(x, name, None) if not isinstance(x, (int, float, str, bytes)) else None
+                if child is not None:
+                    visit(child, depth + 1)
+
+    visit(obj, 0)
+    if len(found) > 1:
+        raise ValueError(
+            f"amp's loss_scale holds {len(found)} jaxamp.loss_scaling transformations: amp cannot tell "
+            "which one's scale the loss is scaled by. Wrap one optimizer in jaxamp.loss_scaling and "
+            "give amp that one."
+        )
+    return found[0] if found else None

@@ -1,0 +1,267 @@
+"""``amp(loss, loss_scale=tx)``: the transformation's live scale, for loops a framework owns.
+
+The optimizer state never reaches the loss (Tunix's and MaxText's steps keep
+it inside): amp reads the scale from the `jaxamp.loss_scaling` transformation
+itself, and its update writes the next one. A backward pass that overflowed
+hands back zeros and tells the update, which skips the step, also from inside
+``optax.MultiSteps`` (Tunix's order), where a NaN would stay in the
+accumulator. References: the ``loss_scale=opt_state`` path (bit for bit) and
+float32's gradients (float16 tolerance).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxamp
+
+# Runs on the oldest supported JAX too (.ci/run): jax.Ref and custom_vjp effects.
+pytestmark = pytest.mark.jax_internals
+
+D = 8
+# float16 matmuls against float32's: relative error of the gradient's norm.
+F16_RTOL = 2e-2
+# Multiplies the targets of a batch meant to overflow float16's backward pass.
+OVERFLOW = 1e6
+
+
+def _params():
+    return jax.random.normal(jax.random.PRNGKey(0), (D, D)) * 0.3
+
+
+def _batch(overflow=False):
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, D))
+    return x, jnp.ones((16, D)) * (OVERFLOW if overflow else 1.0)
+
+
+def _loss(w, x, y):
+    return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+
+def _stepper(tx, loss_scale):
+    loss = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=loss_scale)
+
+    @jax.jit
+    def step(w, opt_state, x, y):
+        grads = jax.grad(loss)(w, x, y)
+        updates, opt_state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), opt_state, grads
+
+    return step
+
+
+def _scale(opt_state):
+    return float(jaxamp.scaling.scale_metrics(opt_state)["loss_scale"])
+
+
+def _skipped(opt_state):
+    return int(jaxamp.scaling.scale_metrics(opt_state)["skipped_steps"])
+
+
+def test_gradients_match_the_state_path_bit_for_bit_and_float32_within_tolerance():
+    w, (x, y) = _params(), _batch()
+    by_state = jaxamp.loss_scaling(optax.sgd(0.1))
+    by_tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    state = by_state.init(w)
+    g_state = jax.jit(lambda w, s: jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=s))(w, x, y))(w, state)
+    _, _, g_live = _stepper(by_tx, by_tx)(w, by_tx.init(w), x, y)
+    np.testing.assert_array_equal(g_live, g_state)
+    g32 = jax.grad(_loss)(w, x, y)
+    assert np.linalg.norm(g_live - g32) <= F16_RTOL * np.linalg.norm(g32)
+
+
+def test_the_live_scale_follows_the_state_it_moves():
+    tx = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**10, patience=2)
+    w = _params()
+    opt_state = tx.init(w)
+    step = _stepper(tx, tx)
+    read, moved = [], []
+    for _ in range(6):
+        read.append(float(tx.update._jaxamp_live_scale.cells()["scale"][...]))
+        w, opt_state, _ = step(w, opt_state, *_batch())
+        moved.append(_scale(opt_state))
+    # Each step reads the scale the state held after the step before it.
+    assert read == [2.0**10, *moved[:-1]]
+    assert moved[-1] == 2.0**12
+
+
+def test_an_overflow_skips_the_step_with_zero_gradients_and_the_state_kept():
+    tx = jaxamp.loss_scaling(optax.adam(1e-2))
+    w = _params()
+    opt_state = tx.init(w)
+    step = _stepper(tx, tx)
+    w, opt_state, _ = step(w, opt_state, *_batch())
+    new_w, new_state, grads = step(w, opt_state, *_batch(overflow=True))
+    # Zeros, not NaN: optax.MultiSteps would keep a NaN in its accumulator.
+    np.testing.assert_array_equal(grads, np.zeros_like(grads))
+    np.testing.assert_array_equal(new_w, w)
+    for before, after in zip(jax.tree.leaves(opt_state.inner_state), jax.tree.leaves(new_state.inner_state)):
+        np.testing.assert_array_equal(after, before)
+    assert _scale(new_state) == _scale(opt_state) / 2
+    assert _skipped(new_state) == 1 and not bool(new_state.last_finite)
+
+
+def test_an_elementwise_clip_before_the_update_does_not_hide_the_overflow():
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    loss = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx)
+
+    @jax.jit
+    def step(w, opt_state, x, y):
+        grads = jnp.clip(jax.grad(loss)(w, x, y) + 1.0, -0.3, 0.3)  # finite whatever came back
+        updates, opt_state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), opt_state
+
+    w = _params()
+    new_w, opt_state = step(w, tx.init(w), *_batch(overflow=True))
+    np.testing.assert_array_equal(new_w, w)
+    assert _skipped(opt_state) == 1
+
+
+def _micro_batch_run(placement, k, overflows, steps):
+    """Parameters, scale and skipped real steps after `steps` micro-batches, the `overflows` ones overflowing."""
+    base = optax.sgd(0.1)
+    if placement == "inside MultiSteps (live)":
+        scaling = jaxamp.loss_scaling(base, patience=10**6)
+        tx, loss_scale = optax.MultiSteps(scaling, k).gradient_transformation(), scaling
+    elif placement == "around MultiSteps (live)":
+        tx = jaxamp.loss_scaling(optax.MultiSteps(base, k), patience=10**6)
+        loss_scale = tx
+    else:  # the state path, around MultiSteps
+        tx, loss_scale = jaxamp.loss_scaling(optax.MultiSteps(base, k), patience=10**6), None
+    w = _params()
+    opt_state = tx.init(w)
+    loss = None if loss_scale is None else jaxamp.amp(_loss, compute_dtype="f16", loss_scale=loss_scale)
+
+    @jax.jit
+    def step(w, opt_state, x, y):
+        fn = loss or jaxamp.amp(_loss, compute_dtype="f16", loss_scale=opt_state)
+        updates, opt_state = tx.update(jax.grad(fn)(w, x, y), opt_state, w)
+        return optax.apply_updates(w, updates), opt_state
+
+    for i in range(steps):
+        w, opt_state = step(w, opt_state, *_batch(overflow=i in overflows))
+    return w, _scale(opt_state), _skipped(opt_state)
+
+
+@settings(deadline=None, max_examples=6)
+@given(k=st.integers(1, 3), overflows=st.sets(st.integers(0, 5), max_size=3))
+def test_inside_multisteps_a_real_step_is_skipped_iff_a_micro_batch_of_it_overflowed(k, overflows):
+    steps = 6
+    windows = {i // k for i in overflows if i // k < steps // k}
+    want_w, want_scale, want_skipped = _micro_batch_run("state path", k, overflows, steps)
+    assert want_skipped == len(windows)
+    for placement in ("inside MultiSteps (live)", "around MultiSteps (live)"):
+        w, scale, skipped = _micro_batch_run(placement, k, overflows, steps)
+        assert (skipped, scale) == (want_skipped, want_scale), placement
+        np.testing.assert_array_equal(w, want_w, err_msg=placement)
+
+
+class _Model(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(D, 16, rngs=rngs)
+        self.out = nnx.Linear(16, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+@pytest.mark.parametrize("given_as", ["transformation", "nnx.Optimizer"])
+def test_nnx_jit_step_with_the_optimizer_inside_multisteps(given_as):
+    # Tunix's shape: nnx.jit over (model, optimizer), MultiSteps around the user's optimizer.
+    model = _Model(nnx.Rngs(0))
+    scaling = jaxamp.loss_scaling(optax.adam(1e-2))
+    optimizer = nnx.Optimizer(model, optax.MultiSteps(scaling, 2), wrt=nnx.Param)
+    loss = jaxamp.amp(
+        lambda m, x, y: jnp.mean((m(x) - y) ** 2),
+        compute_dtype="f16",
+        loss_scale=scaling if given_as == "transformation" else optimizer,
+    )
+
+    @nnx.jit(donate_argnames=("optimizer",))
+    def step(model, optimizer, x, y):
+        grads = nnx.grad(loss)(model, x, y)
+        optimizer.update(model, grads)
+
+    def params():
+        return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+    step(model, optimizer, *_batch())
+    step(model, optimizer, *_batch())
+    after_first = params()
+    step(model, optimizer, *_batch(overflow=True))
+    step(model, optimizer, *_batch())  # the real step: skipped
+    for got, want in zip(params(), after_first):
+        np.testing.assert_array_equal(got, want)
+    metrics = jaxamp.scaling.scale_metrics(optimizer.opt_state)
+    assert (float(metrics["loss_scale"]), int(metrics["skipped_steps"])) == (2.0**14, 1)
+    step(model, optimizer, *_batch())
+    step(model, optimizer, *_batch())
+    assert any(np.any(a != b) for a, b in zip(params(), after_first))
+
+
+def test_the_first_step_after_a_restore_overflowing_at_the_initial_scale_keeps_the_restored_scale():
+    w = _params()
+    restored = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**3).init(w)
+    tx = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**24)  # a new process: its cells hold the initial scale
+    tx.init(w)
+    step = _stepper(tx, tx)
+    x, y = _batch()
+    y = y * 300.0  # overflows float16 at 2**24, not at 2**3
+    new_w, opt_state, _ = step(w, restored, x, y)
+    np.testing.assert_array_equal(new_w, w)
+    assert (_scale(opt_state), _skipped(opt_state)) == (2.0**3, 1)
+    new_w, opt_state, _ = step(w, opt_state, x, y)
+    assert np.any(new_w != w) and _scale(opt_state) == 2.0**3
+
+
+def test_sharded_parameters_on_an_explicit_mesh():
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4])
+    w = jax.device_put(_params(), NamedSharding(mesh, P(None, "data")))
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    opt_state = tx.init(w)
+    step = _stepper(tx, tx)
+    with jax.set_mesh(mesh):
+        new_w, opt_state, grads = step(w, opt_state, *_batch())
+        assert new_w.sharding == w.sharding
+        same_w, opt_state, _ = step(new_w, opt_state, *_batch(overflow=True))
+    np.testing.assert_array_equal(same_w, new_w)
+    assert _skipped(opt_state) == 1
+    g32 = jax.grad(_loss)(_params(), *_batch())
+    assert np.linalg.norm(np.asarray(grads) - g32) <= F16_RTOL * np.linalg.norm(g32)
+
+
+def test_a_transformation_without_loss_scaling_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"holds no jaxamp.loss_scaling.*tx = jaxamp.loss_scaling"):
+        jaxamp.amp(_loss, compute_dtype="f16", loss_scale=optax.adam(1e-3))
+
+
+def test_two_loss_scalings_are_refused():
+    tx = optax.chain(jaxamp.loss_scaling(optax.sgd(0.1)), jaxamp.loss_scaling(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match="holds 2 jaxamp.loss_scaling transformations"):
+        jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx)
+
+
+def test_a_transformation_built_inside_jit_is_refused_with_the_fix():
+    @jax.jit
+    def step(w):
+        tx = jaxamp.loss_scaling(optax.sgd(0.1))
+        return jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx))(w, *_batch())
+
+    with pytest.raises(ValueError, match="made inside a traced function"):
+        step(_params())
+
+
+def test_inside_shard_map_the_state_is_asked_for():
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    loss = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx)
+    body = jax.shard_map(lambda w, x, y: jax.grad(loss)(w, x, y), mesh=mesh, in_specs=(P(), P(), P()), out_specs=P())
+    with pytest.raises(ValueError, match="inside a shard_map or pmap body.*loss_scale=opt_state"):
+        jax.jit(body)(_params(), *_batch())
