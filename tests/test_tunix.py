@@ -3,7 +3,9 @@
 Tunix's rollout sampler keeps ``nnx.graphdef(model)`` and merges it inside its
 own jitted prefill and decode steps, and scores the reference model in another
 jitted function; `jaxamp.amp_module` must reach all of them, and
-``trainer.with_loss_fn(jaxamp.amp(trainer.loss_fn, ...))`` must train. The
+``trainer.with_loss_fn(jaxamp.amp(trainer.loss_fn, ...))`` must train, in
+float16 too, its loss scale read live from the `jaxamp.loss_scaling`
+optimizer handed to Tunix. The
 models are Tunix's own test ToyTransformer, one layer, on its MockVocab.
 
 Tolerances: the ToyTransformer's logits are O(1) and each matmul sums K <= 32
@@ -48,7 +50,7 @@ def params(model) -> list:
     return [jnp.copy(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def grpo(actor, reference) -> tuple:
+def grpo(actor, reference, optimizer=None) -> tuple:
     """A GRPO learner on `actor` (sampled and trained) and `reference`, two steps of two prompts."""
     roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
     # One device: Tunix reshards the models onto it (nnx.merge of their graph definitions).
@@ -59,7 +61,7 @@ def grpo(actor, reference) -> tuple:
         rollout_engine="vanilla",
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=optax.sgd(1e-2), eval_every_n_steps=100, max_steps=2
+            actor_optimizer=optimizer or optax.sgd(1e-2), eval_every_n_steps=100, max_steps=2
         ),
         rollout_config=base_rollout.RolloutConfig(
             max_tokens_to_generate=NEW_TOKENS, max_prompt_length=8, kv_cache_size=CACHE
@@ -136,6 +138,20 @@ def test_grpo_trainer_loss_under_amp():
     before = params(actor)
     train_grpo(learner)
     assert_trained(cluster, before)
+
+
+def test_grpo_float16_with_the_live_loss_scale():
+    # docs/porting.md's float16 lines: the scaled optimizer handed to Tunix, amp of its loss reading its scale.
+    actor, reference = jaxamp.amp_module(toy(), toy(), compute_dtype="f16")
+    tx = jaxamp.loss_scaling(optax.sgd(1e-2))
+    cluster, learner = grpo(actor, reference, tx)
+    trainer = cluster.actor_trainer
+    trainer.with_loss_fn(jaxamp.amp(trainer.loss_fn, compute_dtype="f16", loss_scale=tx), has_aux=True)
+    before = params(actor)
+    train_grpo(learner)
+    assert_trained(cluster, before)
+    metrics = jaxamp.scaling.scale_metrics(trainer.optimizer.opt_state)
+    assert float(metrics["loss_scale"]) == 2.0**15 and int(metrics["skipped_steps"]) == 0
 
 
 def sft_batches(steps: int) -> list[dict]:
