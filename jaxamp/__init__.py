@@ -1,6 +1,7 @@
 """jaxamp: automatic mixed precision for JAX.
 
-The top level holds what a first training step needs: `amp` and its policy
+The top level holds what a first training step needs: `amp` (and
+`amp_module`, for flax nnx models a framework calls itself) and its policy
 table (`default_amp_policy`, the ``use_*`` rules, `amp_stop`), the loss
 scalers for float16 (`loss_scaling`, the optax wrapper whose state holds the
 scale; jaxamp's `DynamicScalerState`, jmp's loss scales, PyTorch's
@@ -23,6 +24,7 @@ import warnings as _warnings  # private: dir(jaxamp) lists the API only
 # write `jaxamp.fp8.Fp8Recipe`.
 from . import diagnostics, fp8, monitoring, optim, policies, scaling, sharding  # noqa: F401
 from ._amp import amp
+from ._amp_module import amp_module
 from .diagnostics import compare, explain, find_nonfinite
 from .policies import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from .scaling import (
@@ -66,6 +68,7 @@ __all__ = [
     "StaticLossScale",
     "all_finite",
     "amp",
+    "amp_module",
     "amp_stop",
     "cast_to_full",
     "cast_to_half",

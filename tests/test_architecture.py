@@ -34,6 +34,7 @@ LAYER_OF = {
     "_options": "options",
     "_eager_cache": "entry",
     "_amp": "entry",
+    "_amp_module": "entry",
     "diagnostics": "entry",
     "__init__": "entry",
 }

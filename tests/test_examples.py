@@ -175,3 +175,22 @@ def test_markdown_sections_are_replaced_by_label(tmp_path):
     assert "| 3,000 |" in text and "| 1,000 |" in text  # a updated, b kept
     assert text.index("## a") < text.index("## b")
     assert "2.00x" in text
+
+
+def test_tunix_grpo_quick():
+    pytest.importorskip("tunix")
+    tunix_grpo = _load_example("tunix_grpo")
+    out = tunix_grpo.main(["--quick"])
+    assert set(out["gaps"]) == {
+        "float32 everywhere",
+        "amp bf16 trainer only",
+        "amp bf16 both sides",
+        "amp f16 trainer only",
+        "amp f16 both sides",
+    }
+    assert all(math.isfinite(g) and g >= 0 for g in out["gaps"].values())
+    # float32 on both sides: the same program up to summation order; amp on the trainer alone rounds.
+    assert out["gaps"]["float32 everywhere"] < 1e-4 < out["gaps"]["amp bf16 trainer only"]
+    assert out["agreement"]["float32 everywhere"] == 1.0
+    (run,) = out["runs"].values()
+    assert len(run["rewards"]) == 2 and run["skipped_steps"] == 0 and run["loss_scale"] > 0
