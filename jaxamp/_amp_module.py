@@ -19,6 +19,7 @@ from typing import Any
 
 from ._amp import amp
 from ._options import UNSET, AmpOptions
+from .scaling._live_scale import find_live_scale
 
 __all__ = ["amp_module"]
 
@@ -48,10 +49,15 @@ def amp_module(module: Any, *more_modules: Any, **amp_kwargs: Any) -> Any:
         *more_modules: more of them (a reference model beside the policy, say),
             under the same settings.
         **amp_kwargs: `amp`'s settings (``compute_dtype``, ``amp_policy``,
-            ``policy``, ``float32_gradient_reductions``). Not ``loss_scale``:
-            the scale multiplies the loss's cotangent, so it belongs on the
-            amp of the loss function (``amp(loss_fn, loss_scale=...)``); the
-            module's amp inside it then scales nothing more.
+            ``policy``, ``float32_gradient_reductions``) and, for float16,
+            ``loss_scale``: the `jaxamp.loss_scaling` transformation handed to
+            the framework (or a fixed float scale). Each call's backward pass
+            then runs scaled by its live scale, from the module's outputs (the
+            logits: what the loss does with them runs as the user wrote it) to
+            its parameters, which get true-scale gradients; an overflow skips
+            the step. An optimizer state is refused: the module outlives any
+            one step's state. Inside an amp'd loss given a scale, the module
+            scales nothing more.
 
     Returns:
         `module` (one argument) or the tuple of modules, each the same object,
@@ -59,22 +65,24 @@ def amp_module(module: Any, *more_modules: Any, **amp_kwargs: Any) -> Any:
 
     Raises:
         TypeError: an argument is not a flax nnx Module with a ``__call__``,
-            ``loss_scale`` was given, or `amp` refuses the settings.
+            ``loss_scale`` is an optimizer state, or `amp` refuses the settings.
         ValueError: a module already runs under `amp_module` with other
             settings (calling it again with the same settings changes nothing).
     """
     modules = (module, *more_modules)
     for candidate in modules:
         _check_module(candidate)
-    if "loss_scale" in amp_kwargs:
+    loss_scale = amp_kwargs.get("loss_scale")
+    if loss_scale is not None and not isinstance(loss_scale, (int, float)) and find_live_scale(loss_scale) is None:
         raise TypeError(
-            "amp_module takes no loss_scale: the scale multiplies the loss's cotangent, so it goes on the "
-            "amp of the loss function, amp(loss_fn, compute_dtype=..., loss_scale=...), around the "
-            "amp_module'd model (whose own amp then scales nothing more)."
+            "amp_module's loss_scale must be the jaxamp.loss_scaling transformation handed to the "
+            f"framework (its scale is read live at each call), or a float; got {type(loss_scale).__name__}. "
+            "A module outlives any one step's optimizer state: tx = jaxamp.loss_scaling(optax.adamw(...)), "
+            "then jaxamp.amp_module(model, compute_dtype='f16', loss_scale=tx)."
         )
     settings = dict(amp_kwargs)
     amp(**settings)  # amp's own TypeError / ValueError for bad settings, before any class is swapped
-    options = AmpOptions.resolve(**settings)
+    options = AmpOptions.resolve(**{k: v for k, v in settings.items() if k != "loss_scale"})
     key = _options_key(options, settings)
     swapped = []
     for candidate in modules:
@@ -117,12 +125,15 @@ def _options_key(options: AmpOptions, settings: dict) -> tuple:
     # Spellings that amp resolves alike ("bf16", jnp.bfloat16) share a class; a
     # user's policy table by identity (amp reads it afresh at each call).
     table = settings.get("amp_policy")
+    scale = settings.get("loss_scale")
     return (
         options.compute_dtype,
         options.output_dtype,
         options.fp8,
         options.float32_accumulation,
         None if table is None else id(table),
+        # A transformation by identity: its cells are the scale.
+        scale if scale is None or isinstance(scale, (int, float)) else id(scale),
     )
 
 
