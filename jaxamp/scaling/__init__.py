@@ -25,12 +25,17 @@ logger; `record_scale_metrics` sends them to `jax.monitoring`'s listeners, and
 `LossScaleMonitor` warns when a run's scale collapses or most steps are
 skipped. `update_scale` is the scale's step rule for a script whose optimizer
 is not optax's.
+`with_loss_scaling_state` and `without_loss_scaling_state` convert an
+optimizer state (anywhere in a training state or checkpoint tree) between a
+plain optimizer's and `loss_scaling`'s, so a checkpoint written without loss
+scaling resumes with it, and back.
 
 `loss_scaling`, the scalers, the jmp loss scales, `all_finite` and `select_tree` are also at
 the top level (`jaxamp.DynamicScalerState`...). The guide is
 docs/loss_scaling.md.
 """
 
+from ._convert import with_loss_scaling_state, without_loss_scaling_state
 from ._dynamic_scaler import (
     DynamicLossScaler,
     DynamicScalerState,
@@ -78,4 +83,6 @@ __all__ = [
     "skip_nonfinite_updates",
     "update_scale",
     "warn_if_not_floating",
+    "with_loss_scaling_state",
+    "without_loss_scaling_state",
 ]

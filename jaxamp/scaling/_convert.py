@@ -1,0 +1,288 @@
+"""Convert an optimizer state between a plain optimizer's and `loss_scaling`'s.
+
+A checkpoint written by a run without loss scaling holds ``adam``'s state; the
+float16 run's target holds a `LossScaleState` around it, so Orbax refuses the
+restore (``TypeError: Type mismatch at key path ('opt_state',)``), and the
+other way round. `without_loss_scaling_state` takes the wrapper out (use it on
+the restore target, or to go back to a run without loss scaling);
+`with_loss_scaling_state` puts it around a plain state, with the fresh scale
+of the transformation it is given, as that transformation's ``init`` would.
+
+Both accept the state anywhere in a pytree (a flax ``TrainState``, a dict such
+as MaxText's checkpoint or an ``nnx.to_pure_dict`` tree) and in either of the
+two forms a `LossScaleState` takes: the NamedTuple optax builds, or the dict of
+its fields (``{"inner_state": ..., "scaler_state": {...}, "last_finite": ...,
+"step_finite": ...}``) that nnx's state and checkpoint layouts write. Leaves
+may be arrays or abstract (``jax.ShapeDtypeStruct``, for a restore target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._dynamic_scaler import DynamicScalerState
+from ._loss_scaling import LossScaleState
+
+__all__ = ["with_loss_scaling_state", "without_loss_scaling_state"]
+
+_FIELDS = frozenset(LossScaleState._fields)
+# Where an optimizer state sits in a training state: flax TrainState's field,
+# MaxText's checkpoint layout and an nnx.Optimizer's pure dict.
+_OPT_STATE = "opt_state"
+
+
+def _is_dict_form(x: Any) -> bool:
+    return isinstance(x, Mapping) and set(map(str, x.keys())) == _FIELDS
+
+
+def _is_wrapped(x: Any) -> bool:
+    return isinstance(x, LossScaleState) or _is_dict_form(x)
+
+
+def _describe(x: Any) -> str:
+    """``"<type> <repr>"`` on one line, cut at 200 characters."""
+    text = " ".join(repr(x).split())
+    return f"{type(x).__name__} {text[:200]}{'...' if len(text) > 200 else ''}"
+
+
+def without_loss_scaling_state(tree: Any) -> Any:
+    """`tree` with every `LossScaleState` in it replaced by its ``inner_state``.
+
+    The optimizer state of ``jaxamp.loss_scaling(opt)`` becomes ``opt``'s, as a
+    run without loss scaling (or the checkpoint it wrote) holds it. Works on
+    the state itself, on any pytree holding it (a flax ``TrainState``, a dict),
+    on the dict form nnx and MaxText's checkpoints write, and on abstract
+    trees (a restore target).
+
+    Example, restoring a plain checkpoint into a loss-scaled run::
+
+        target = jaxamp.scaling.without_loss_scaling_state(abstract_state)
+        restored = checkpointer.restore(path, target)
+        state = jaxamp.scaling.with_loss_scaling_state(restored, tx)
+
+    Raises:
+        ValueError: `tree` holds no loss-scaling state (nothing to take out).
+    """
+    found = []
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, LossScaleState):
+            found.append(x)
+            return strip(x.inner_state)
+        if _is_dict_form(x):
+            found.append(x)
+            return strip(x["inner_state"])
+        return x
+
+    out = jax.tree_util.tree_map(strip, tree, is_leaf=_is_wrapped)
+    if not found:
+        raise ValueError(
+            "jaxamp.scaling.without_loss_scaling_state: the tree holds no jaxamp.LossScaleState "
+            f"(nor its dict form with keys {sorted(_FIELDS)}), so there is no loss scaling to take "
+            f"out; got {_describe(tree)}."
+        )
+    return out
+
+
+def with_loss_scaling_state(tree: Any, tx: Any) -> Any:
+    """`tree` with its optimizer state wrapped as ``tx``'s, a `jaxamp.loss_scaling` transformation.
+
+    The optimizer state is ``tree``'s ``opt_state`` (a flax ``TrainState``'s
+    field, or the ``"opt_state"`` key of a dict at any depth: MaxText's
+    checkpoint layout, ``nnx.to_pure_dict(nnx.state(optimizer))``), or `tree`
+    itself where it has none. It becomes the state ``tx.init`` would have made
+    around it: ``LossScaleState(inner_state=<it, unchanged>, scaler_state=<tx's
+    initial scale and schedule>, last_finite=True, step_finite=True)``, as a
+    NamedTuple, or in the dict form where the optimizer state is all dicts.
+    Where ``tx`` puts the wrapper inside another (``optax.MultiSteps(
+    loss_scaling(opt), k)``), it goes at the same place in the state. New
+    arrays are replicated over the mesh of the state's sharded leaves; an
+    abstract state gets abstract ones.
+
+    Args:
+        tree: the training or optimizer state, written without loss scaling.
+        tx: the ``jaxamp.loss_scaling(opt)`` transformation the run will use
+            (or a wrapper around it); ``opt`` must be the optimizer whose state
+            `tree` holds.
+
+    Raises:
+        TypeError: `tx` is not a gradient transformation holding one
+            `jaxamp.loss_scaling`.
+        ValueError: the state already holds loss scaling, `tree` holds more
+            than one ``opt_state``, or the state is not shaped like ``tx``'s
+            at the wrapper's place.
+    """
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(
+            "jaxamp.scaling.with_loss_scaling_state: tx must be the jaxamp.loss_scaling(optimizer) "
+            f"transformation the run uses; got {_describe(tx)}."
+        )
+    path, fresh = _fresh_parts(tx)
+    located = _locate(tree)
+    if located is None:
+        return _wrap_at(tree, path, fresh, tree)
+    (where,) = located
+    return _replace_at(tree, where, lambda opt_state: _wrap_at(opt_state, path, fresh, tree))
+
+
+def _fresh_parts(tx: Any) -> tuple[tuple, tuple]:
+    """Where ``tx``'s state holds its `LossScaleState`, and that state's scaler_state/last/step_finite.
+
+    ``tx.init`` runs on an empty parameter tree under `jax.jit`, outputs
+    limited to the loss-scaling fields, so nothing of the wrapped optimizer's
+    state is built.
+    """
+    try:
+        shape = jax.eval_shape(tx.init, {})
+    except Exception as e:  # noqa: BLE001  (any init failure: the message names tx)
+        raise TypeError(
+            "jaxamp.scaling.with_loss_scaling_state: tx.init failed on an empty parameter tree, so "
+            f"its initial scale cannot be read ({type(e).__name__}: {e}); tx: {_describe(tx)}."
+        ) from e
+    paths = [
+        p
+        for p, leaf in jax.tree_util.tree_flatten_with_path(shape, is_leaf=lambda x: isinstance(x, LossScaleState))[0]
+        if isinstance(leaf, LossScaleState)
+    ]
+    if len(paths) != 1:
+        raise TypeError(
+            "jaxamp.scaling.with_loss_scaling_state: tx must hold exactly one jaxamp.loss_scaling "
+            f"transformation; its state holds {len(paths)} LossScaleStates. tx: {_describe(tx)}."
+        )
+    (path,) = paths
+
+    def parts() -> tuple:
+        state = _get_at(tx.init({}), path)
+        return state.scaler_state, state.last_finite, state.step_finite
+
+    return path, tuple(jax.device_get(jax.jit(parts)()))
+
+
+def _locate(tree: Any) -> list[tuple] | None:
+    """The key path of the one ``opt_state`` in `tree` (a list of one), None where there is none."""
+    found: list[tuple] = []
+
+    def visit(x: Any, path: tuple) -> None:
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                if k == _OPT_STATE:
+                    found.append((*path, jax.tree_util.DictKey(k)))
+                else:
+                    visit(v, (*path, jax.tree_util.DictKey(k)))
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type) and hasattr(x, _OPT_STATE):
+            found.append((*path, jax.tree_util.GetAttrKey(_OPT_STATE)))
+
+    visit(tree, ())
+    if len(found) > 1:
+        raise ValueError(
+            "jaxamp.scaling.with_loss_scaling_state: the tree holds "
+            f"{len(found)} opt_state entries ({', '.join(jax.tree_util.keystr(p) for p in found)}); "
+            "convert each optimizer state on its own."
+        )
+    return found or None
+
+
+def _get_at(x: Any, path: tuple) -> Any:
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            x = x[key.key]
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            x = getattr(x, key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            x = x[key.idx]
+        else:
+            raise ValueError(f"jaxamp.scaling.with_loss_scaling_state: cannot follow key {key!r}.")
+    return x
+
+
+def _replace_at(x: Any, path: tuple, fn: Any) -> Any:
+    if not path:
+        return fn(x)
+    key, rest = path[0], path[1:]
+    if isinstance(key, jax.tree_util.DictKey):
+        out = dict(x) if type(x) is not dict else x.copy()
+        out[key.key] = _replace_at(x[key.key], rest, fn)
+        return type(x)(out) if type(x) is not dict else out
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        new = _replace_at(getattr(x, key.name), rest, fn)
+        if hasattr(x, "_replace"):
+            return x._replace(**{key.name: new})
+        if hasattr(x, "replace"):  # flax struct dataclasses (TrainState)
+            return x.replace(**{key.name: new})
+        return dataclasses.replace(x, **{key.name: new})
+    if isinstance(key, jax.tree_util.SequenceKey):
+        items = list(x)
+        items[key.idx] = _replace_at(items[key.idx], rest, fn)
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    raise ValueError(f"jaxamp.scaling.with_loss_scaling_state: cannot follow key {key!r}.")
+
+
+def _all_dicts(x: Any) -> bool:
+    """Whether the optimizer state is in dict form: no tuple nodes anywhere (nnx's pure dicts, checkpoints)."""
+    if isinstance(x, Mapping):
+        return all(_all_dicts(v) for v in x.values())
+    return not isinstance(x, (tuple, list))
+
+
+def _wrap_at(opt_state: Any, path: tuple, fresh: tuple, whole: Any) -> Any:
+    dict_form = _all_dicts(opt_state)
+    if any(_is_wrapped(leaf) for leaf in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_wrapped)):
+        raise ValueError(
+            "jaxamp.scaling.with_loss_scaling_state: the optimizer state already holds a "
+            f"jaxamp.LossScaleState (or its dict form); got {_describe(opt_state)}."
+        )
+    if dict_form:
+        # The dict form names fields where the NamedTuple form has attributes.
+        path = tuple(
+            jax.tree_util.DictKey(k.name) if isinstance(k, jax.tree_util.GetAttrKey) else k
+            for k in path  # MultiSteps' inner_opt_state...
+        )
+    try:
+        inner = _get_at(opt_state, path)
+    except (KeyError, AttributeError, IndexError, TypeError) as e:
+        raise ValueError(
+            "jaxamp.scaling.with_loss_scaling_state: tx keeps its loss scaling at "
+            f"{jax.tree_util.keystr(path)} of its state, which this optimizer state lacks; "
+            f"got {_describe(opt_state)}."
+        ) from e
+    scaler_state, last_finite, step_finite = _place(fresh, inner if jax.tree_util.tree_leaves(inner) else whole)
+
+    def wrap(inner: Any) -> Any:
+        if dict_form:
+            return {
+                "inner_state": inner,
+                "scaler_state": dict(zip(DynamicScalerState._fields, scaler_state)),
+                "last_finite": last_finite,
+                "step_finite": step_finite,
+            }
+        return LossScaleState(
+            inner_state=inner, scaler_state=scaler_state, last_finite=last_finite, step_finite=step_finite
+        )
+
+    return _replace_at(opt_state, path, wrap)
+
+
+def _place(fresh: tuple, like: Any) -> tuple:
+    """The fresh scale parts as arrays like `like`'s leaves: abstract, replicated on their mesh, or plain."""
+    leaves = jax.tree_util.tree_leaves(like)
+    shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
+    replicated = next((_replicated(s) for s in shardings if _replicated(s) is not None), None)
+    if leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+        return jax.tree_util.tree_map(
+            lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=replicated), fresh
+        )
+    if replicated is None:
+        return jax.tree_util.tree_map(jnp.asarray, fresh)
+    return jax.tree_util.tree_map(lambda v: jax.device_put(np.asarray(v), replicated), fresh)
+
+
+def _replicated(sharding: Any) -> Any:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return None
