@@ -265,3 +265,31 @@ def test_inside_shard_map_the_state_is_asked_for():
     body = jax.shard_map(lambda w, x, y: jax.grad(loss)(w, x, y), mesh=mesh, in_specs=(P(), P(), P()), out_specs=P())
     with pytest.raises(ValueError, match="inside a shard_map or pmap body.*loss_scale=opt_state"):
         jax.jit(body)(_params(), *_batch())
+
+
+def test_an_optimizer_factory_shares_its_live_scale_with_what_it_builds():
+    # MaxText builds its optimizer itself (optimizers.get_optimizer): the driver
+    # wraps the factory, and amp is given it before any optimizer exists.
+    def get_optimizer(learning_rate):
+        return optax.sgd(learning_rate)
+
+    get_optimizer = jaxamp.loss_scaling(get_optimizer)
+    assert get_optimizer.__name__ == "get_optimizer"
+    loss = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=get_optimizer)
+    tx = get_optimizer(0.1)  # built later, by the framework
+    w = _params()
+    opt_state = tx.init(w)
+
+    @jax.jit
+    def step(w, opt_state, x, y):
+        updates, opt_state = tx.update(jax.grad(loss)(w, x, y), opt_state, w)
+        return optax.apply_updates(w, updates), opt_state
+
+    w, opt_state = step(w, opt_state, *_batch())
+    same_w, opt_state = step(w, opt_state, *_batch(overflow=True))
+    np.testing.assert_array_equal(same_w, w)
+    assert (_scale(opt_state), _skipped(opt_state)) == (2.0**14, 1)
+    with pytest.raises(
+        TypeError, match=r"jaxamp.loss_scaling of .*<lambda> expects an optax GradientTransformation.*got str"
+    ):
+        jaxamp.loss_scaling(lambda: "not an optimizer")()

@@ -14,6 +14,8 @@ Both paths move the scale with `next_scaler_state` and decide finiteness with
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -61,7 +63,7 @@ class LossScaleState(NamedTuple):
 
 
 def loss_scaling(
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | Callable[..., optax.GradientTransformation],
     *,
     scaler: Any = 2.0**15,
     patience: Any = 2000,
@@ -124,7 +126,11 @@ def loss_scaling(
     every later step (amp refuses that order).
 
     Args:
-        optimizer: any optax gradient transformation.
+        optimizer: any optax gradient transformation; or a function that
+            builds one (a framework's optimizer factory, such as MaxText's
+            ``optimizers.get_optimizer``): then a function that builds it and
+            wraps it, every optimizer it builds sharing one live scale, which
+            amp reads given that function (``loss_scale=get_optimizer``).
         scaler: the initial loss scale (float, within the bounds).
         patience: finite steps in a row before the scale grows (int >= 0).
         adjust_factor: growth multiplier and shrink divisor (float >= 1).
@@ -138,14 +144,16 @@ def loss_scaling(
             raises a ValueError asking for it.
 
     Returns:
-        A `GradientTransformationExtraArgs` whose state is a `LossScaleState`.
+        A `GradientTransformationExtraArgs` whose state is a `LossScaleState`
+        (given a factory: the wrapping factory).
 
     Raises:
         TypeError: `optimizer` is not a gradient transformation, `axis_name` is
             not a name or tuple of names, or a schedule value has the wrong kind.
         ValueError: a schedule value out of range (as `DynamicScalerState`).
     """
-    inner = check_optimizer(optimizer, "jaxamp.loss_scaling")
+    factory = callable(optimizer) and not hasattr(optimizer, "update")
+    inner = None if factory else check_optimizer(optimizer, "jaxamp.loss_scaling")
     axis_name = check_axis_name(axis_name, "jaxamp.loss_scaling")
     # Validated once here, by the class both paths share; the messages name
     # its fields, which are these keywords.
@@ -164,6 +172,32 @@ def loss_scaling(
     initial = jax.tree_util.tree_map(_as_numpy_if_concrete, initial)
     # Its cells need the initial scale as a number, and no enclosing trace.
     live = LiveScale(initial.scaler if isinstance(initial.scaler, np.ndarray) else None)
+    if factory:
+        return _scaling_factory(optimizer, initial, axis_name, live)
+    assert inner is not None
+    return _scaled(inner, initial, axis_name, live)
+
+
+def _scaling_factory(factory: Callable[..., Any], initial: DynamicScalerState, axis_name: Any, live: LiveScale) -> Any:
+    """`factory`, its optimizers wrapped in `loss_scaling`, all sharing one live scale (the factory's)."""
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+        inner = check_optimizer(factory(*args, **kwargs), f"jaxamp.loss_scaling of {_name(factory)}")
+        return _scaled(inner, initial, axis_name, live)
+
+    build._jaxamp_live_scale = live  # type: ignore[attr-defined]
+    return build
+
+
+def _name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _scaled(
+    inner: optax.GradientTransformationExtraArgs, initial: DynamicScalerState, axis_name: Any, live: LiveScale
+) -> optax.GradientTransformationExtraArgs:
+    """`loss_scaling`'s transformation around the validated `inner`, its scale in `live`'s cells."""
 
     def init(params: Any) -> LossScaleState:
         live.place_like(params)
