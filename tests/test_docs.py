@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 # Frameworks some blocks port to that are not among pyproject.toml's dev extras.
-OPTIONAL = ("tunix",)
+OPTIONAL = ("tunix", "maxtext")
 
 
 def _blocks():
