@@ -293,3 +293,32 @@ def test_an_optimizer_factory_shares_its_live_scale_with_what_it_builds():
         TypeError, match=r"jaxamp.loss_scaling of .*<lambda> expects an optax GradientTransformation.*got str"
     ):
         jaxamp.loss_scaling(lambda: "not an optimizer")()
+
+
+@pytest.mark.filterwarnings("ignore:`with mesh:` context manager has been deprecated:DeprecationWarning")
+@pytest.mark.parametrize("context", ["set_mesh", "with mesh"])
+def test_an_init_under_jit_leaves_the_cells_to_follow_the_steps_mesh(context):
+    # MaxText initialises its state under jit: the cells stay where they were
+    # made (one device) until the first step over the mesh traces them.
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    w = jax.device_put(_params(), NamedSharding(mesh, P(None, "data")))
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    opt_state = jax.jit(tx.init)(w)
+    step = _stepper(tx, tx)
+    with jax.set_mesh(mesh) if context == "set_mesh" else mesh:
+        new_w, opt_state, _ = step(w, opt_state, *_batch())
+        same_w, opt_state, _ = step(new_w, opt_state, *_batch(overflow=True))
+    np.testing.assert_array_equal(same_w, new_w)
+    assert (_scale(opt_state), _skipped(opt_state)) == (2.0**14, 1)
+    assert tx.update._jaxamp_live_scale.cells()["scale"].sharding.device_set == set(jax.devices()[:4])
+
+
+def test_cells_a_compiled_step_holds_do_not_move_to_another_mesh():
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    w = _params()
+    opt_state = jax.jit(tx.init)(w)
+    step = _stepper(tx, tx)
+    step(w, opt_state, *_batch())  # traced on one device: the cells stay there
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="compiled step already holds it there.*mesh of 2"):
+        _stepper(tx, tx)(w, opt_state, *_batch())

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ._versions import _internal
 
 __all__ = [
+    "context_mesh",
     "explicit_shards",
     "legacy_context_mesh",
     "manual_axes",
@@ -49,6 +50,21 @@ def legacy_context_mesh() -> Any:
     if not isinstance(mesh, Mesh) or mesh.empty:
         return None
     return mesh
+
+
+@_internal
+def context_mesh() -> Any:
+    """The concrete mesh the caller runs under (``jax.set_mesh`` or ``with mesh:``), also inside `jax.jit`; else None.
+
+    ``jax.sharding.get_mesh`` refuses to answer inside `jax.jit`, where a
+    jitted step that closes over arrays must find them on its mesh's devices.
+    """
+    from jax._src import mesh as mesh_lib
+
+    mesh = mesh_lib.get_concrete_mesh()
+    if mesh is not None and not mesh.empty:
+        return mesh
+    return legacy_context_mesh()
 
 
 # --- fp8 scales per shard (jaxamp/fp8/_schemes.py) ---

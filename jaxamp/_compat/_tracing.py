@@ -59,6 +59,7 @@ __all__ = [
     "custom_vjp_subfuns",
     "differentiation_depth",
     "eager_trace_context",
+    "outside_traces",
     "eqn_scopes",
     "eqn_source",
     "eqn_transposed",
@@ -184,6 +185,17 @@ def eqn_transposed(eqn: JaxprEqn) -> bool:
 def ambient_scopes() -> tuple[str, ...]:
     """The named scopes active where the caller is running, outermost first."""
     return _scope_names(_source_info.current_name_stack())
+
+
+@_internal
+def outside_traces() -> Any:
+    """A context in which JAX computes eagerly, whatever traces enclose the caller (jit, grad, linearize).
+
+    `jax.ensure_compile_time_eval` leaves a differentiation trace in place, and
+    a `jax.Ref` made under one is that trace's: a value to keep across calls is
+    made here.
+    """
+    return _core.eval_context()
 
 
 def eager_trace_context() -> Any:

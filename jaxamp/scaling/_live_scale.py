@@ -46,6 +46,7 @@ class LiveScale:
     def __init__(self, initial_scale: Any):
         self.initial_scale = None if initial_scale is None else float(initial_scale)
         self.attached = False
+        self._traced = False  # a trace has closed over the cells: they stay where they are
         self._cells: dict[str, Any] | None = None
         if self.initial_scale is not None and not _compat.staging():
             self._cells = self._make(None)
@@ -87,6 +88,7 @@ class LiveScale:
         self._cells = self._make(replicated)
 
     def cells(self) -> dict[str, Any]:
+        """The cells; inside a trace, on the devices of the mesh it runs under."""
         if self._cells is None:
             raise ValueError(
                 "amp's loss_scale is a jaxamp.loss_scaling transformation made inside a traced function "
@@ -94,7 +96,31 @@ class LiveScale:
                 "any trace, from a number. Build the optimizer outside the jitted step, or pass the "
                 "optimizer state: loss_scale=opt_state."
             )
+        if _compat.staging():
+            self._follow_mesh()
+            self._traced = True
         return self._cells
+
+    def _follow_mesh(self) -> None:
+        """Remake the cells on the context mesh's devices where they are elsewhere and no trace holds them yet.
+
+        An optimizer whose init ran under `jax.jit` (MaxText's) left them where
+        they were made, on one device, which a step over a mesh refuses.
+        """
+        mesh = _compat.context_mesh()
+        assert self._cells is not None
+        devices = _devices(self._cells)
+        if mesh is None or devices == set(mesh.devices.flat):
+            return
+        if self._traced:
+            raise ValueError(
+                f"jaxamp.loss_scaling's live scale is on devices {sorted(d.id for d in devices)}, and a "
+                f"compiled step already holds it there, but this step runs over a mesh of "
+                f"{mesh.devices.size} devices. Call the optimizer's init outside jax.jit with the "
+                "parameters placed on the mesh, or give amp the optimizer state (loss_scale=opt_state)."
+            )
+        with _compat.outside_traces():
+            self._cells = self._make(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
     def attach(self) -> None:
         """amp was given this transformation: from now on its update reads and writes the cells."""
@@ -150,6 +176,11 @@ class LiveScale:
         c["last_count"][...] = jnp.asarray(scaler_state.count, jnp.int32)
         c["last_resets"][...] = jnp.asarray(scaler_state.total_resets, jnp.int32)
         c["scale"][...] = jnp.asarray(scaler_state.scaler, jnp.float32)
+
+
+def _devices(cells: dict[str, Any]) -> set[Any]:
+    """The devices the cells live on (the ref's sharding: reading its value there would need them here)."""
+    return set(cells["scale"].sharding.device_set)
 
 
 # How deep `find_live_scale` looks through closures and wrappers.
