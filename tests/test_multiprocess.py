@@ -173,27 +173,20 @@ def test_multiprocess_f16_redo_agrees_on_every_process(launched, run):
     np.testing.assert_allclose(two[0]["losses"][finite_losses], ref["losses"][finite_losses], rtol=2e-3)
 
 
-@pytest.mark.parametrize("run", [pytest.param("f16-wrapper-jit", marks=NEWEST_ONLY), "f16-wrapper-shard_map"])
+@pytest.mark.parametrize(
+    "run",
+    [
+        pytest.param("f16-wrapper-jit", marks=NEWEST_ONLY),
+        "f16-wrapper-shard_map",
+        pytest.param("f16-live-jit", marks=NEWEST_ONLY),
+    ],
+)
 def test_multiprocess_f16_with_the_scale_in_the_optimizer_state_agrees_on_every_process(launched, run):
-    # jaxamp.loss_scaling + amp(loss_scale=opt_state): the NaN in one
-    # process's data (step 2) and the float16 overflow in its rows (step 4)
-    # skip the step on every process, which all keep the same scale, as one
-    # process does.
-    two, (one,) = launched[run]
-    _assert_processes_identical(two, run)
-    np.testing.assert_array_equal(two[0]["finite"], one["finite"])
-    np.testing.assert_array_equal(two[0]["scales"], one["scales"])
-    assert not one["finite"][2] and not one["finite"][4]
-    assert one["scales"][2] == 2.0**14 and one["scales"][4] == 2.0**13
-    np.testing.assert_allclose(two[0]["params_f32"], one["params_f32"], rtol=2e-3, atol=2e-4)
-
-
-@pytest.mark.parametrize("run", [pytest.param("f16-live-jit", marks=NEWEST_ONLY)])
-def test_multiprocess_f16_with_the_live_scale_agrees_on_every_process(launched, run):
-    # amp(loss_scale=tx): the scale read from the transformation's cells,
-    # replicated over the processes' mesh; the NaN in one process's data and
-    # the overflow in its rows flag the update on every process, as the
-    # state path does (same steps skipped, same scales).
+    # jaxamp.loss_scaling + amp(loss_scale=opt_state), or amp(loss_scale=tx)
+    # reading the transformation's cells (replicated over the processes'
+    # mesh): the NaN in one process's data (step 2) and the float16 overflow
+    # in its rows (step 4) skip the step on every process, which all keep the
+    # same scale, as one process does.
     two, (one,) = launched[run]
     _assert_processes_identical(two, run)
     np.testing.assert_array_equal(two[0]["finite"], one["finite"])
