@@ -57,7 +57,9 @@ class AmpRow:
             ``"amp_stop"``, ``"scope:<name>"``, ``"user"`` (the user's entry
             for the primitive, differing from the default table's),
             ``"requested"`` (a matmul whose program asked for a precision:
-            ``precision=HIGHEST``, a wider ``preferred_element_type``),
+            ``precision=HIGHEST``, a wider ``preferred_element_type``, or
+            operands widened from half precision, ``q.astype(float32)``; see
+            `jaxamp.analyses._upcasts`),
             ``"tail"``, ``"statistics"``, ``"range"``, ``"primitive"`` (the
             default table's entry), ``"amp_default"``, or ``"original"`` (no
             entry, or a primitive amp cannot rewrite).

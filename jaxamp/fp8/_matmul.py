@@ -53,7 +53,13 @@ from .._casting import dtype_of
 from .._dtypes import dtype_short_name, is_castable
 from .._jaxpr import MATMUL_NAMES, equation_flops
 from ..transform import _site_state
-from ..transform._interpreter import EquationRewrite, differentiation_depth, is_last_matmul, warn_once
+from ..transform._interpreter import (
+    EquationRewrite,
+    differentiation_depth,
+    explicit_upcast,
+    is_last_matmul,
+    warn_once,
+)
 from ..transform._linearity import UNKNOWN, linear_operands
 from ..transform._rules import PolicyTable, Rule, requested_precision, use_compute_precision
 from ..transform._scopes import MODE_ENTRY
@@ -294,7 +300,7 @@ class Fp8MatmulRule:
             return f"{names} operands (float8 takes float32, bfloat16 or float16)"
         # (Reached only where the table has no "amp_requested" entry, which
         # otherwise runs such a matmul as written before this rule is asked.)
-        requested = requested_precision(original_dtypes, eqn.params)
+        requested = requested_precision(original_dtypes, eqn.params) or explicit_upcast()
         if requested:
             return f"the program asks for {requested}"
         linear = linear_operands(eqn)

@@ -100,7 +100,20 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
         ctx.tail_inside[1] if ctx.tail_inside is not None else None,
         ctx.last_matmuls_inside[1] if ctx.last_matmuls_inside is not None else None,
     )
-    key = (dtypes, ctx.compute_dtype, ctx.policy, ctx.scopes, statistics, ctx.recompute, higher_order, paused, tail)
+    # Which of its operands the program widened from half precision (`jaxamp.analyses._upcasts`).
+    upcasts = ctx.upcasts_inside[1] if ctx.upcasts_inside is not None else None
+    key = (
+        dtypes,
+        ctx.compute_dtype,
+        ctx.policy,
+        ctx.scopes,
+        statistics,
+        ctx.recompute,
+        higher_order,
+        paused,
+        tail,
+        upcasts,
+    )
     if cacheable:
         try:
             return _AMP_BODIES[closed][key]

@@ -27,6 +27,7 @@ from .._jaxpr import MATMUL_NAMES, holds_matmul, merge_runs
 from ..analyses._regions import Regions
 from ..analyses._statistics import plan_statistics
 from ..analyses._tail import Path, Tail, find_tail, path_body
+from ..analyses._upcasts import plan_upcasts
 from . import _site_state
 from ._rules import PolicyTable, requested_precision, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
@@ -38,6 +39,7 @@ __all__ = [
     "EquationRewrite",
     "Handler",
     "differentiation_depth",
+    "explicit_upcast",
     "interpret",
     "is_last_matmul",
     "register",
@@ -134,6 +136,11 @@ class AmpContext:
             interpreted is the body of a call, a loop or a shard_map
             (`jaxamp.analyses._tail.path_body`): the paths of the program's
             last matmuls in it (`jaxamp.analyses._tail.Tail.last_matmuls`).
+        upcasts_inside: ``(body, classes)`` when the next jaxpr to be
+            interpreted is the body of a call, a scan or a shard_map: the
+            classes of its inputs at this call site, which
+            `jaxamp.analyses._upcasts.plan_upcasts` plans it with (which of
+            them the program widened from half precision).
         recompute: evaluate norm regions and the program's tail under
             `jax.checkpoint` (see `_evaluate_recomputed`); off for programs
             that are never differentiated (eager calls), where it only costs.
@@ -160,6 +167,7 @@ class AmpContext:
     tail: bool = False
     tail_inside: tuple[Any, frozenset] | None = None
     last_matmuls_inside: tuple[Any, frozenset] | None = None
+    upcasts_inside: tuple[Any, tuple] | None = None
     recompute: bool = True
     differentiated: int = 0
     around_custom_vjp: Any = None
@@ -175,6 +183,7 @@ class AmpContext:
             statistics_inputs=statistics_inputs,
             tail_inside=None,
             last_matmuls_inside=None,
+            upcasts_inside=None,
             differentiated=max(self.differentiated, *map(_compat.differentiation_depth, invals), 0),
             around_custom_vjp=_around_custom_vjp_in(self.around_custom_vjp, eqn),
         )
@@ -268,6 +277,8 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
     given = ctx.statistics_inputs
     plan = plan_statistics(jaxpr, *(given[1] if given is not None and given[0] is jaxpr else ()))
     regions = Regions(jaxpr, ctx.policy, ctx.scopes)
+    given_upcasts = ctx.upcasts_inside
+    upcasts = plan_upcasts(jaxpr, given_upcasts[1] if given_upcasts is not None and given_upcasts[0] is jaxpr else None)
 
     def evaluate(i: int, eqn: Any, env: dict, casts: dict) -> None:
         invals = [_read(env, v) for v in eqn.invars]
@@ -285,6 +296,8 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
                 entered = path_body(eqn)
                 if entered is not None:
                     nested = dataclasses.replace(nested, last_matmuls_inside=(entered, last_inside.get(i, frozenset())))
+                if entered is not None and i in upcasts.body_inputs:
+                    nested = dataclasses.replace(nested, upcasts_inside=(entered, upcasts.body_inputs[i]))
                 if eqn.primitive is _compat.custom_vjp_call_p and ctx.around_custom_vjp is not None:
                     outvals = ctx.around_custom_vjp(
                         eqn, invals, lambda ins: _run_handler(handler, ctx, nested, eqn, list(ins))
@@ -300,6 +313,7 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
                     bounded=i in plan.bounded,
                     tail=in_tail,
                     last_matmul=(i,) in last_matmuls,
+                    upcast=upcasts.requests.get(i, ""),
                     casts=casts,
                 )
         if not eqn.primitive.multiple_results:
@@ -329,7 +343,10 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
             key = (
                 ctx.compute_dtype, ctx.policy, ctx.scopes, ctx.tail, ctx.differentiated >= 2,
                 tuple(
-                    (k in plan.statistics, k in plan.bounded, (k,) in paths, inside.get(k), plan.call_inputs.get(k))
+                    (
+                        k in plan.statistics, k in plan.bounded, (k,) in paths, inside.get(k), plan.call_inputs.get(k),
+                        upcasts.requests.get(k), upcasts.body_inputs.get(k),
+                    )
                     for k in run
                 ),
             )  # fmt: skip
@@ -528,6 +545,18 @@ def _run_handler(handler: Handler, ctx: AmpContext, nested: AmpContext, eqn: Any
 
 _DIFFERENTIATED: contextvars.ContextVar[int] = contextvars.ContextVar("jaxamp_differentiated", default=0)
 _LAST_MATMUL: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_last_matmul", default=False)
+_UPCAST: contextvars.ContextVar[str] = contextvars.ContextVar("jaxamp_upcast", default="")
+
+
+def explicit_upcast() -> str:
+    """For an equation-rewriting rule: what the program asked for by widening the matmul's operands, or ``""``.
+
+    A matmul whose operands the program widened from half precision
+    (``q.astype(jnp.float32)``; see `jaxamp.analyses._upcasts`), in words
+    (``"float32 operands widened from bfloat16"``). The operands' dtypes
+    cannot show it: the request is in the program around the equation.
+    """
+    return _UPCAST.get()
 
 
 def is_last_matmul() -> bool:
@@ -603,6 +632,7 @@ def _apply_rule(
     bounded: bool = False,
     tail: bool = False,
     last_matmul: bool = False,
+    upcast: str = "",
     casts: dict | None = None,
 ) -> Any:
     scopes = ctx.scopes + _compat.eqn_scopes(eqn)
@@ -613,7 +643,9 @@ def _apply_rule(
     choice, request = None, ""
     if "subfuns" not in params and not force_original:
         if eqn.primitive.name in MATMUL_NAMES:
-            request = requested_precision(original, eqn.params)
+            # What the matmul's parameters ask for, else what the program
+            # asked for by widening its operands (`jaxamp.analyses._upcasts`).
+            request = requested_precision(original, eqn.params) or upcast
         choice = choose_rule(ctx.policy, scopes, eqn.primitive, statistic, bounded, tail, bool(request))
     if choice is None:
         choice = RuleChoice(use_original_precision, "original")
@@ -628,9 +660,11 @@ def _apply_rule(
                 site_state.scopes = scopes
             depth = max(ctx.differentiated, *map(_compat.differentiation_depth, operands), 0)
             token, last = _DIFFERENTIATED.set(depth), _LAST_MATMUL.set(last_matmul)
+            widened = _UPCAST.set(upcast)
             try:
                 rewrite = choice.rule.rewrite_equation(ctx.compute_dtype, original, eqn, *operands, **params)
             finally:
+                _UPCAST.reset(widened)
                 _LAST_MATMUL.reset(last)
                 _DIFFERENTIATED.reset(token)
         if rewrite is not None and rewrite.fn is not None:

@@ -718,7 +718,8 @@ default_amp_policy: PolicyTable = PolicyTable(
         # What runs after the program's last matmul (the loss): float32, as
         # PyTorch's autocast runs its loss functions (see `jaxamp.analyses._tail`).
         "amp_tail": use_original_precision,
-        # A matmul whose program asked for a precision (`requested_precision`):
+        # A matmul whose program asked for a precision (`requested_precision`)
+        # or widened its operands from half precision (`jaxamp.analyses._upcasts`):
         # run as written.
         "amp_requested": use_original_precision,
     }

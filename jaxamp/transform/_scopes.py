@@ -35,7 +35,8 @@ AMP_STATISTICS = "amp_statistics"
 # `jaxamp.analyses._ranges`); it replaces only the default `use_full_range_precision`.
 AMP_RANGE = "amp_range"
 # The entry for a matmul whose program asked for a precision (see
-# `jaxamp.transform._rules.requested_precision`).
+# `jaxamp.transform._rules.requested_precision`) or widened its operands from
+# half precision (see `jaxamp.analyses._upcasts`).
 AMP_REQUESTED = "amp_requested"
 # The entry for the program's tail: what runs after its last matmul (see
 # `jaxamp.analyses._tail`).
@@ -101,7 +102,8 @@ def choose_rule(
     3. the primitive's entry, where it differs from `default_amp_policy`'s
        (an entry the user wrote: ``"user"``);
     4. ``"amp_requested"``, for a matmul whose program asked for a precision
-       (`requested`; see `jaxamp.transform._rules.requested_precision`): the
+       (`requested`; see `jaxamp.transform._rules.requested_precision`), or
+       widened its operands from half precision (`jaxamp.analyses._upcasts`): the
        program's word on one matmul, below the table's on all of them, whose
        rule is given the request's parameters;
     5. ``"amp_tail"``, for an equation of the program's loss (`tail`; see
