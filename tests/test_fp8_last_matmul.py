@@ -166,3 +166,30 @@ def test_the_rule_can_be_turned_off():
     jaxpr = jax.make_jaxpr(jaxamp.amp(mlp, compute_dtype=recipe))(LAYERS, HEAD_W, X)
     dots = [e for e in iter_eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 5 and all(e.invars[0].aval.dtype == E4M3 for e in dots)
+
+
+def test_a_head_inside_a_cond_is_kept_in_each_branch():
+    # Two heads chosen at run time (a task switch): each branch's matmul ends
+    # the program there, the trunk's feeds both.
+    def switched(layers, heads, x, task):
+        h = jax.nn.relu(x @ layers[0])
+        logits = jax.lax.cond(task, lambda h: h @ heads[0], lambda h: h @ heads[1], h)
+        return _loss(logits)
+
+    heads = (HEAD_W, LAYERS[1])
+    closed = jax.make_jaxpr(jaxamp.amp(switched, compute_dtype=FP8))(LAYERS, heads, X, True)
+    (cond,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+    for branch in cond.params["branches"]:
+        (dot,) = [e for e in iter_eqns(branch) if e.primitive.name == "dot_general"]
+        assert dot.invars[0].aval.dtype == jnp.bfloat16, branch
+    # The trunk in float8; both branches counted (equal FLOPs each).
+    assert _float8_share(switched, LAYERS, heads, X, True) == pytest.approx(1 / 3)
+
+
+def test_a_cond_between_layers_keeps_its_matmuls_in_float8():
+    # A matmul in a branch whose result feeds the head is no last matmul.
+    def gated(layers, head, x, deep):
+        h = jax.lax.cond(deep, lambda h: jax.nn.relu(h @ layers[0]), lambda h: h, x)
+        return _loss(h @ head)
+
+    assert _float8_share(gated, LAYERS, HEAD_W, X, True) == pytest.approx(0.5)

@@ -45,7 +45,8 @@ shared by every layer (one jit'd function called in each) holds the head only
 at the call that computes it. A loop whose matmuls are last (a loss computed
 inside a scan) is entered: there a matmul is last when no matmul follows it in
 the same iteration or, through the carry, in a later one. A shard_map's body is
-entered too; a cond's branches are not (one path would name an equation of each branch).
+entered too, and so are a cond's branches, whose paths name the branch after
+the cond's equation (``(cond, branch, equation...)``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from typing import Any, NamedTuple
 from .. import _compat
 from .._jaxpr import MATMUL_NAMES, holds_matmul
 
-__all__ = ["Path", "Tail", "find_tail", "path_body", "tail_paths"]
+__all__ = ["Path", "Tail", "find_tail", "path_body", "paths_in", "tail_paths"]
 
 
 Path = tuple[int, ...]
@@ -105,7 +106,12 @@ def find_tail(jaxpr: Any, program: bool = True) -> Tail:
 
 
 def path_body(eqn: Any) -> Any:
-    """The open jaxpr that paths inside `eqn` index: a call's body, a loop's (scan, while) or a shard_map's."""
+    """The open jaxpr that paths inside `eqn` index: a call's body, a loop's (scan, while) or a shard_map's.
+
+    For a cond, the tuple of its branches' jaxprs: a path's next element picks the branch.
+    """
+    if eqn.primitive is _compat.cond_p:
+        return tuple(b.jaxpr for b in eqn.params["branches"])
     body = _compat.call_body(eqn)
     if body is None and eqn.primitive in _ENTERED:
         body = eqn.params[_ENTERED[eqn.primitive]]
@@ -151,7 +157,27 @@ def _last_matmuls(nodes: list[_Node], counted: set[Any], carries: Sequence[tuple
             found.add(node.path)
         elif node.eqn.primitive in _ENTERED:
             found |= {(*node.path, *p) for p in _last_matmuls_inside(node.eqn, reaching)}
+        elif node.eqn.primitive is _compat.cond_p:
+            for b, branch in enumerate(node.eqn.params["branches"]):
+                branch_nodes, outputs = _flatten(branch.jaxpr)
+                counted_here = {k for k, r in zip(outputs, reaching) if r and k is not None}
+                found |= {(*node.path, b, *p) for p in _last_matmuls(branch_nodes, counted_here)}
     return frozenset(found)
+
+
+def paths_in(given: tuple[Any, frozenset[Path]], jaxpr: Any) -> frozenset[Path] | None:
+    """The paths of ``given = (path_body(eqn), paths)`` that index `jaxpr`, or None where it is not that body.
+
+    A cond's branch takes the paths that start with its index.
+    """
+    body, paths = given
+    if body is jaxpr:
+        return paths
+    if isinstance(body, tuple):
+        for b, branch in enumerate(body):
+            if branch is jaxpr:
+                return frozenset(p[1:] for p in paths if p and p[0] == b)
+    return None
 
 
 def _last_matmuls_inside(eqn: Any, reaching: list[bool]) -> frozenset[Path]:

@@ -26,7 +26,7 @@ from .._dtypes import is_castable
 from .._jaxpr import MATMUL_NAMES, holds_matmul, merge_runs
 from ..analyses._regions import Regions
 from ..analyses._statistics import plan_statistics
-from ..analyses._tail import Path, Tail, find_tail, path_body
+from ..analyses._tail import Path, Tail, find_tail, path_body, paths_in
 from ..analyses._upcasts import plan_upcasts
 from . import _site_state
 from ._rules import PolicyTable, requested_precision, use_original_precision
@@ -133,9 +133,9 @@ class AmpContext:
             is the body of a call: the `jaxamp.analyses._tail.Path` of each of
             its equations in the tail, as its caller's analysis found them.
         last_matmuls_inside: ``(body, paths)`` when the next jaxpr to be
-            interpreted is the body of a call, a loop or a shard_map
-            (`jaxamp.analyses._tail.path_body`): the paths of the program's
-            last matmuls in it (`jaxamp.analyses._tail.Tail.last_matmuls`).
+            interpreted is the body of a call, a loop or a shard_map, or a
+            cond's branch (`jaxamp.analyses._tail.path_body`): the paths of
+            the program's last matmuls in it (`jaxamp.analyses._tail.Tail.last_matmuls`).
         upcasts_inside: ``(body, classes)`` when the next jaxpr to be
             interpreted is the body of a call, a scan or a shard_map: the
             classes of its inputs at this call site, which
@@ -267,8 +267,8 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
             paths = given_tail[1]
         else:
             paths = found.paths if program else find_tail(jaxpr, program=False).paths
-    given_last = ctx.last_matmuls_inside
-    last_matmuls = given_last[1] if given_last is not None and given_last[0] is jaxpr else found.last_matmuls
+    given_last = None if ctx.last_matmuls_inside is None else paths_in(ctx.last_matmuls_inside, jaxpr)
+    last_matmuls = found.last_matmuls if given_last is None else given_last
     inside, last_inside = _inside(paths), _inside(last_matmuls)
     # Equations in the tail, calls holding some of it among them (for the
     # runs recomputed under `jax.checkpoint`).
