@@ -16,11 +16,14 @@ digit sums ("3 + 4 =" -> "7") by a few supervised steps, then:
     the trainer's (same tokens: the ones this sampler drew), and the fraction
     of completions identical to float32's under the same seed;
 (b) GRPO through Tunix's learner from that checkpoint in float32, amp bf16
-    and amp f16 (with `jaxamp.loss_scaling`), reward = correct sum: mean
-    reward per step and wall time per step.
+    and amp f16, reward = correct sum: mean reward per step and wall time per
+    step. Each is docs/porting.md's port: bf16 is one line,
+    ``jaxamp.amp_module(actor, reference, compute_dtype="bf16")``; f16 is two,
+    the optimizer handed to Tunix wrapped in `jaxamp.loss_scaling` and
+    ``amp_module(..., compute_dtype="f16", loss_scale=optimizer)``.
 
     python examples/tunix_grpo.py            # a few minutes on a laptop CPU
-    python examples/tunix_grpo.py --quick    # seconds: the smoke test's run
+    python examples/tunix_grpo.py --quick    # the smoke test's run: f16 only, one layer, untrained
 
 Needs google-tunix (``pip install google-tunix``).
 """
@@ -28,6 +31,7 @@ Needs google-tunix (``pip install google-tunix``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 
@@ -49,7 +53,7 @@ import jaxamp
 WORDS = ["<pad>", "<s>", "</s>", *map(str, range(10)), "+", "="]
 VOCAB = MockVocab({word: i for i, word in enumerate(WORDS)})
 PAD, EOS = 0, 2
-CONFIG = qwen2.ModelConfig(
+CONFIG = qwen2.ModelConfig(  # --layers replaces num_layers
     num_layers=2,
     vocab_size=len(WORDS),
     embed_dim=32,
@@ -67,8 +71,8 @@ LEARNING_RATE = 2e-3
 PAIRS = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]  # one-digit answers
 
 
-def new_model(state=None) -> nnx.Module:
-    model = qwen2.Qwen2(CONFIG, rngs=nnx.Rngs(0))
+def new_model(config: qwen2.ModelConfig, state=None) -> nnx.Module:
+    model = qwen2.Qwen2(config, rngs=nnx.Rngs(0))
     if state is not None:
         nnx.update(model, state)
     return model
@@ -78,9 +82,9 @@ def prompt(a: int, b: int) -> str:
     return f"{a} + {b} ="
 
 
-def supervised_warmup(steps: int) -> nnx.State:
+def supervised_warmup(config: qwen2.ModelConfig, steps: int) -> nnx.State:
     """A few float32 steps on "<s> a + b = c </s>": the checkpoint both parts start from."""
-    model = new_model()
+    model = new_model(config)
     optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
     rows = [[1, 3 + a, 13, 3 + b, 14, 3 + a + b, EOS] for a, b in PAIRS]
     tokens = jnp.array(rows)
@@ -112,24 +116,25 @@ def trainer_logps(model, prompt_tokens, completion_tokens):
     return common.compute_per_token_logps(graphdef, state, prompt_tokens, completion_tokens, pad_id=PAD, eos_id=EOS)
 
 
-def mismatch(state: nnx.State, prompts: list[str], seed: int) -> tuple[dict, dict]:
+def mismatch(
+    config: qwen2.ModelConfig, state: nnx.State, prompts: list[str], seed: int, dtypes: tuple[str, ...]
+) -> tuple[dict, dict]:
     """Per setting: mean |log p_sampler - log p_trainer| per sampled token, and the completions drawn.
 
-    The sampler's log-probabilities are those it drew each token with (prefill,
-    then KV-cache decode steps); the trainer's, of the same tokens, come from one
-    forward pass over prompt and completion, as in the GRPO loss.
+    The settings: float32, and for each of `dtypes` amp on the trainer's side
+    only and on both. The sampler's log-probabilities are those it drew each
+    token with (prefill, then KV-cache decode steps); the trainer's, of the
+    same tokens, come from one forward pass over prompt and completion, as in
+    the GRPO loss.
     """
-    settings = {
-        "float32 everywhere": (None, None),
-        "amp bf16 trainer only": (None, "bf16"),
-        "amp bf16 both sides": ("bf16", "bf16"),
-        "amp f16 trainer only": (None, "f16"),
-        "amp f16 both sides": ("f16", "f16"),
-    }
-    cache = sampler_lib.CacheConfig(cache_size=CACHE, num_layers=CONFIG.num_layers, num_kv_heads=2, head_dim=16)
+    settings = {"float32 everywhere": (None, None)}
+    for dtype in dtypes:
+        settings[f"amp {dtype} trainer only"] = (None, dtype)
+        settings[f"amp {dtype} both sides"] = (dtype, dtype)
+    cache = sampler_lib.CacheConfig(cache_size=CACHE, num_layers=config.num_layers, num_kv_heads=2, head_dim=16)
     samples = {}  # sampler dtype -> (model, prompt tokens, completion tokens, their log-probabilities)
     for dtype in dict.fromkeys(sampler for sampler, _ in settings.values()):
-        model = new_model(state)
+        model = new_model(config, state)
         if dtype is not None:
             jaxamp.amp_module(model, compute_dtype=dtype)  # the rollout line: the model Tunix samples
         out = sampler_lib.Sampler(model, VOCAB, cache)(
@@ -166,14 +171,18 @@ def mismatch(state: nnx.State, prompts: list[str], seed: int) -> tuple[dict, dic
 # --- (b) GRPO through Tunix --------------------------------------------------------------
 
 
-def grpo(state: nnx.State, precision: str, steps: int, batch: int, seed: int) -> dict:
+def grpo(config: qwen2.ModelConfig, state: nnx.State, precision: str, steps: int, batch: int, seed: int) -> dict:
     """Tunix's GRPO learner from `state`; rewards and seconds per step."""
-    actor, reference = new_model(state), new_model(state)
+    actor, reference = new_model(config, state), new_model(config, state)
     optimizer = optax.adam(LEARNING_RATE)
-    if precision != "float32":
-        jaxamp.amp_module(actor, reference, compute_dtype=precision)  # rollout, reference and trainer's model
     if precision == "f16":
-        optimizer = jaxamp.loss_scaling(optimizer)
+        optimizer = jaxamp.loss_scaling(optimizer)  # the optimizer line: Tunix gets the scaled optimizer
+    if precision != "float32":
+        # The rollout line: Tunix's sampler, its reference scoring and its trainer all call
+        # these modules (copies of them). In float16 their amp scales the backward pass by
+        # the optimizer's live scale, read inside Tunix's jitted train step.
+        scale = {"loss_scale": optimizer} if precision == "f16" else {}
+        jaxamp.amp_module(actor, reference, compute_dtype=precision, **scale)
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
     cluster = rl_cluster_lib.RLCluster(
@@ -207,10 +216,6 @@ def grpo(state: nnx.State, precision: str, steps: int, batch: int, seed: int) ->
         rl_cluster=cluster, reward_fns=reward, algo_config=grpo_learner.GRPOConfig(num_generations=4)
     )
     trainer = cluster.actor_trainer
-    if precision == "bf16":
-        trainer.with_loss_fn(jaxamp.amp(trainer.loss_fn, compute_dtype="bf16"), has_aux=True)
-    elif precision == "f16":
-        trainer.with_loss_fn(jaxamp.amp(trainer.loss_fn, compute_dtype="f16", loss_scale=optimizer), has_aux=True)
     rng = random.Random(seed)
     data = []
     for _ in range(steps):
@@ -239,17 +244,22 @@ def grpo(state: nnx.State, precision: str, steps: int, batch: int, seed: int) ->
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few steps of everything (the smoke test)")
+    parser.add_argument("--quick", action="store_true", help="f16 only, one layer, two steps (the smoke test)")
+    parser.add_argument("--layers", type=int, default=CONFIG.num_layers, help="the Qwen2's decoder layers")
     parser.add_argument("--warmup-steps", type=int, default=60)
     parser.add_argument("--grpo-steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=16, help="prompts per GRPO step (4 completions each)")
-    parser.add_argument("--precisions", default="float32,bf16,f16", help="GRPO runs, comma-separated")
+    parser.add_argument(
+        "--precisions", default="float32,bf16,f16", help="GRPO runs, and the table's amp rows, comma-separated"
+    )
     parser.add_argument("--table-prompts", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
-        args.warmup_steps, args.grpo_steps, args.batch, args.table_prompts = 5, 2, 2, 8
-        args.precisions = "f16"  # the run with the most parts (loss scaling); compiling is most of the time
+        # Compiling is nearly all of the time: one layer, no warm-up (its step would compile),
+        # the table's f16 rows only and one GRPO run, f16, the one with the most parts.
+        args.warmup_steps, args.grpo_steps, args.batch, args.table_prompts = 0, 2, 2, 8
+        args.layers, args.precisions = 1, "f16"
     args.precisions = tuple(args.precisions.split(","))
     if set(args.precisions) - {"float32", "bf16", "f16"}:
         parser.error(f"--precisions takes float32, bf16 and f16, got {args.precisions}")
@@ -258,19 +268,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    state = supervised_warmup(args.warmup_steps)
+    config = dataclasses.replace(CONFIG, num_layers=args.layers)
+    state = supervised_warmup(config, args.warmup_steps)
 
     rng = random.Random(args.seed)
     prompts = [prompt(*rng.choice(PAIRS)) for _ in range(args.table_prompts)]
-    gaps, agreement = mismatch(state, prompts, args.seed)
-    print(f"(a) sampler/trainer mismatch at the warm-up checkpoint, {len(prompts)} prompts, temperature 1")
+    amp_dtypes = tuple(p for p in args.precisions if p != "float32")
+    gaps, agreement = mismatch(config, state, prompts, args.seed, amp_dtypes)
+    print(
+        f"(a) sampler/trainer mismatch after {args.warmup_steps} supervised steps, {len(prompts)} prompts, "
+        "temperature 1"
+    )
     print(f"    {'setting':<24}{'mean |dlogp| per token':>24}{'same completions as f32':>26}")
     for name in gaps:
         print(f"    {name:<24}{gaps[name]:>24.3e}{agreement[name]:>26.1%}")
-    f16, bf16, f32 = gaps["amp f16 both sides"], gaps["amp bf16 both sides"], gaps["float32 everywhere"]
-    print(f"    f16 both sides / float32: {f16 / f32:.2f}x; f16 both sides / bf16 both sides: {f16 / bf16:.3f}")
+    ratios = {}  # of the f16 both-sides gap, to float32's and to bf16's
+    if "amp f16 both sides" in gaps:
+        ratios["f16_over_f32"] = gaps["amp f16 both sides"] / gaps["float32 everywhere"]
+        line = f"    f16 both sides / float32: {ratios['f16_over_f32']:.2f}x"
+        if "amp bf16 both sides" in gaps:
+            ratios["f16_over_bf16"] = gaps["amp f16 both sides"] / gaps["amp bf16 both sides"]
+            line += f"; f16 both sides / bf16 both sides: {ratios['f16_over_bf16']:.3f}"
+        print(line)
 
-    runs = {p: grpo(state, p, args.grpo_steps, args.batch, args.seed) for p in args.precisions}
+    runs = {p: grpo(config, state, p, args.grpo_steps, args.batch, args.seed) for p in args.precisions}
     print(f"(b) GRPO, {args.grpo_steps} steps of {args.batch} prompts x 4 completions: mean reward per step")
     for precision, run in runs.items():
         curve = " ".join(f"{r:.2f}" for r in run["rewards"])
@@ -279,9 +300,10 @@ def main(argv=None) -> dict:
             extra = f", loss scale {run['loss_scale']:g}, {run['skipped_steps']} skipped"
         tenth = max(1, len(run["rewards"]) // 10)
         first, last = np.mean(run["rewards"][:tenth]), np.mean(run["rewards"][-tenth:])
-        print(f"    {precision:<8} {run['seconds_per_step']:.3f} s/step (median){extra}")
+        timing = f"{run['seconds_per_step']:.3f} s/step (median), {run['seconds_total']:.1f} s in all"
+        print(f"    {precision:<8} {timing}{extra}")
         print(f"             first/last tenth {first:.2f} -> {last:.2f}: {curve}")
-    return {"gaps": gaps, "agreement": agreement, "runs": runs, "f16_over_f32": f16 / f32, "f16_over_bf16": f16 / bf16}
+    return {"gaps": gaps, "agreement": agreement, "runs": runs, **ratios}
 
 
 if __name__ == "__main__":

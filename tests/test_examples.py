@@ -180,17 +180,11 @@ def test_markdown_sections_are_replaced_by_label(tmp_path):
 def test_tunix_grpo_quick():
     pytest.importorskip("tunix")
     tunix_grpo = _load_example("tunix_grpo")
-    out = tunix_grpo.main(["--quick"])
-    assert set(out["gaps"]) == {
-        "float32 everywhere",
-        "amp bf16 trainer only",
-        "amp bf16 both sides",
-        "amp f16 trainer only",
-        "amp f16 both sides",
-    }
+    out = tunix_grpo.main(["--quick"])  # f16 only: the table's f16 rows and one GRPO run
+    assert set(out["gaps"]) == {"float32 everywhere", "amp f16 trainer only", "amp f16 both sides"}
     assert all(math.isfinite(g) and g >= 0 for g in out["gaps"].values())
     # float32 on both sides: the same program up to summation order; amp on the trainer alone rounds.
-    assert out["gaps"]["float32 everywhere"] < 1e-4 < out["gaps"]["amp bf16 trainer only"]
+    assert out["gaps"]["float32 everywhere"] < 1e-4 < out["gaps"]["amp f16 trainer only"]
     assert out["agreement"]["float32 everywhere"] == 1.0
     (run,) = out["runs"].values()
     assert len(run["rewards"]) == 2 and run["skipped_steps"] == 0 and run["loss_scale"] > 0

@@ -3,10 +3,17 @@
 Tunix's rollout sampler keeps ``nnx.graphdef(model)`` and merges it inside its
 own jitted prefill and decode steps, and scores the reference model in another
 jitted function; `jaxamp.amp_module` must reach all of them, and
-``trainer.with_loss_fn(jaxamp.amp(trainer.loss_fn, ...))`` must train, in
-float16 too, its loss scale read live from the `jaxamp.loss_scaling`
-optimizer handed to Tunix. The
-models are Tunix's own test ToyTransformer, one layer, on its MockVocab.
+``trainer.with_loss_fn(jaxamp.amp(trainer.loss_fn, ...))`` must train. In
+float16, the two lines of docs/porting.md: the `jaxamp.loss_scaling`
+optimizer handed to Tunix, and ``amp_module(..., loss_scale=optimizer)``
+(or the amp'd loss given it), whose amp reads its live scale inside Tunix's
+jitted step. An overflow injected into one step (a loss multiplied by 1e9 on
+that step alone) must skip it, parameters and Tunix's optimizer state bit for
+bit, halve the scale, and leave the steps after it training, also where Tunix
+wraps the optimizer in ``optax.MultiSteps`` for micro-batches; Tunix's Orbax
+checkpoint must restore the scale. The models are Tunix's own test
+ToyTransformer, one layer, on its MockVocab: the file runs in about a minute on
+two CPU cores, most of it compiling Tunix's steps.
 
 Tolerances: the ToyTransformer's logits are O(1) and each matmul sums K <= 32
 terms; measured in bfloat16 against float32, greedy sampled-token
@@ -22,6 +29,7 @@ import optax
 import pytest
 
 pytest.importorskip("tunix")
+ocp = pytest.importorskip("orbax.checkpoint")
 nnx = pytest.importorskip("flax.nnx")
 
 import jaxamp  # noqa: E402
@@ -40,6 +48,9 @@ CONFIG = tc.ModelConfig(num_layers=1, vocab_size=VOCAB.GetPieceSize())
 PROMPTS = np.array(["hello world", "My name"])
 NEW_TOKENS = 4
 CACHE = 16
+# Multiplies the loss of the step meant to overflow: at the scales the tests
+# reach (2**14, 2**15) any logit gradient above 2e-9 then passes float16's 65504.
+OVERFLOW = 1e9
 
 
 def toy() -> nnx.Module:
@@ -50,8 +61,13 @@ def params(model) -> list:
     return [jnp.copy(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def grpo(actor, reference, optimizer=None) -> tuple:
-    """A GRPO learner on `actor` (sampled and trained) and `reference`, two steps of two prompts."""
+def grpo(actor, reference, optimizer=None, steps: int = 2, on_reward=None) -> tuple:
+    """A GRPO learner on `actor` (sampled and trained) and `reference`, `steps` steps of two prompts.
+
+    `on_reward` runs at each step's reward, after the previous step trained and
+    before this one does (the rollout and the trainer share a mesh: Tunix runs
+    them in turn).
+    """
     roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
     # One device: Tunix reshards the models onto it (nnx.merge of their graph definitions).
     auto = (jax.sharding.AxisType.Auto,) * 2
@@ -61,7 +77,7 @@ def grpo(actor, reference, optimizer=None) -> tuple:
         rollout_engine="vanilla",
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=optimizer or optax.sgd(1e-2), eval_every_n_steps=100, max_steps=2
+            actor_optimizer=optimizer or optax.sgd(1e-2), eval_every_n_steps=100, max_steps=steps
         ),
         rollout_config=base_rollout.RolloutConfig(
             max_tokens_to_generate=NEW_TOKENS, max_prompt_length=8, kv_cache_size=CACHE
@@ -70,6 +86,8 @@ def grpo(actor, reference, optimizer=None) -> tuple:
     cluster = rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=VOCAB, cluster_config=config)
 
     def reward(prompts, completions, **kwargs):
+        if on_reward is not None:
+            on_reward()
         return [float(len(c)) for c in completions]
 
     learner = grpo_lib.GRPOLearner(
@@ -78,14 +96,14 @@ def grpo(actor, reference, optimizer=None) -> tuple:
     return cluster, learner
 
 
-def train_grpo(learner) -> None:
-    learner.train([{"prompts": PROMPTS, "answer": PROMPTS}] * 2)
+def train_grpo(learner, steps: int = 2) -> None:
+    learner.train([{"prompts": PROMPTS, "answer": PROMPTS}] * steps)
 
 
-def assert_trained(cluster, before: list) -> None:
-    assert cluster.actor_trainer.train_steps == 2
+def assert_trained(cluster, before: list, steps: int = 2) -> None:
+    assert cluster.actor_trainer.train_steps == steps
     losses = cluster.actor_trainer.metrics_logger.get_metric_history("actor", "loss", "train")
-    assert len(losses) == 2 and np.all(np.isfinite(losses))
+    assert len(losses) == steps and np.all(np.isfinite(losses))
     after = params(cluster.actor_trainer.model)
     assert any(bool(jnp.any(a != b)) for a, b in zip(before, after))
 
@@ -140,18 +158,65 @@ def test_grpo_trainer_loss_under_amp():
     assert_trained(cluster, before)
 
 
-def test_grpo_float16_with_the_live_loss_scale():
-    # docs/porting.md's float16 lines: the scaled optimizer handed to Tunix, amp of its loss reading its scale.
-    actor, reference = jaxamp.amp_module(toy(), toy(), compute_dtype="f16")
-    tx = jaxamp.loss_scaling(optax.sgd(1e-2))
-    cluster, learner = grpo(actor, reference, tx)
-    trainer = cluster.actor_trainer
-    trainer.with_loss_fn(jaxamp.amp(trainer.loss_fn, compute_dtype="f16", loss_scale=tx), has_aux=True)
-    before = params(actor)
-    train_grpo(learner)
-    assert_trained(cluster, before)
+def host(tree) -> list:
+    """`tree`'s leaves copied to the host: Tunix donates the optimizer state to its step."""
+    return [np.array(x) for x in jax.tree.leaves(tree)]
+
+
+def same(a: list, b: list) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def scale(trainer) -> tuple[float, int]:
     metrics = jaxamp.scaling.scale_metrics(trainer.optimizer.opt_state)
-    assert float(metrics["loss_scale"]) == 2.0**15 and int(metrics["skipped_steps"]) == 0
+    return float(metrics["loss_scale"]), int(metrics["skipped_steps"])
+
+
+@pytest.mark.parametrize("form", ["amp_module", "amp_loss"])
+def test_grpo_float16_an_overflowing_step_is_skipped_and_the_scale_halved(form):
+    # docs/porting.md's float16 lines. "amp_module": the module's amp reads the
+    # live scale (the two-line form); "amp_loss": the trainer line's amp'd loss does.
+    optimizer = jaxamp.loss_scaling(optax.sgd(1e-2))
+    module_scale = {"loss_scale": optimizer} if form == "amp_module" else {}
+    actor, reference = jaxamp.amp_module(toy(), toy(), compute_dtype="f16", **module_scale)
+    snapshots = []  # before each step, and after the last: parameters, (scale, skipped steps)
+
+    def snapshot():
+        snapshots.append((params(trainer.model), scale(trainer)))
+
+    cluster, learner = grpo(actor, reference, optimizer, steps=3, on_reward=snapshot)
+    trainer = cluster.actor_trainer
+
+    # The injection: the second call of Tunix's jitted train step multiplies its
+    # loss by OVERFLOW. A counter in a jax.Ref the step closes over, advanced
+    # where the step builds the loss's inputs (outside the differentiated loss).
+    calls = jax.new_ref(jnp.int32(0))
+    tunix_inputs, tunix_loss = trainer.gen_model_input_fn, trainer.loss_fn
+
+    def inputs(example):
+        call = calls[...]
+        calls[...] = call + 1
+        return {**tunix_inputs(example), "factor": jnp.where(call == 1, OVERFLOW, 1.0).astype(jnp.float32)}
+
+    def loss(model, train_example, algo_config, factor):
+        value, aux = tunix_loss(model, train_example, algo_config)
+        return factor * value, aux
+
+    if form == "amp_loss":
+        loss = jaxamp.amp(loss, compute_dtype="f16", loss_scale=optimizer)
+    trainer.with_loss_fn(loss, has_aux=True)
+    trainer.with_gen_model_input_fn(inputs)
+
+    train_grpo(learner, steps=3)
+    snapshots.append((params(trainer.model), scale(trainer)))
+    assert int(calls[...]) == 3 and trainer.train_steps == 3
+    (before, _), (skipped_before, _), (skipped_after, _), (after, _) = snapshots
+    assert [s for _, s in snapshots] == [(2.0**15, 0), (2.0**15, 0), (2.0**14, 1), (2.0**14, 1)]
+    for a, b in zip(skipped_before, skipped_after, strict=True):
+        np.testing.assert_array_equal(a, b)  # the overflowing step: parameters bit for bit
+    assert not same(before, skipped_before) and not same(skipped_after, after)  # the others train
+    losses = trainer.metrics_logger.get_metric_history("actor", "loss", "train")
+    assert len(losses) == 3 and np.all(np.isfinite(losses))
 
 
 def sft_batches(steps: int) -> list[dict]:
@@ -177,3 +242,77 @@ def test_sft_peft_trainer_under_amp_module_and_amp_loss():
     assert len(plain) == 3 and plain[-1] < plain[0]
     for losses in (sft_losses(jaxamp.amp_module(toy(), compute_dtype="bf16")), sft_losses(toy(), amp_loss=True)):
         np.testing.assert_allclose(losses, plain, rtol=0, atol=0.02)
+
+
+def f16_sft_trainer(directory, max_steps: int):
+    """A PeftTrainer on a fresh ToyTransformer in float16, two micro-batches a step, checkpointing each step.
+
+    The two lines: the scaled optimizer handed to Tunix (which wraps it in
+    ``optax.MultiSteps``) and the module's amp reading its scale. The loss is
+    Tunix's default times the batch's ``factor``.
+    """
+    model = toy()
+    optimizer = jaxamp.loss_scaling(optax.adam(1e-2))
+    jaxamp.amp_module(model, compute_dtype="f16", loss_scale=optimizer)
+    config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=100,
+        max_steps=max_steps,
+        gradient_accumulation_steps=2,
+        checkpoint_root_directory=str(directory),
+        checkpointing_options=ocp.CheckpointManagerOptions(
+            save_interval_steps=1, max_to_keep=1, enable_async_checkpointing=False
+        ),
+    )
+    trainer = peft_trainer.PeftTrainer(model, optimizer, config)
+    tunix_loss = trainer.loss_fn
+
+    def loss(model, input_tokens, input_mask, positions, attention_mask, factor):
+        return factor * tunix_loss(model, input_tokens, input_mask, positions, attention_mask)
+
+    return trainer.with_loss_fn(loss)
+
+
+def adam_state(trainer) -> list:
+    # Tunix's MultiSteps, around jaxamp's loss_scaling, around adam: its moments and count.
+    return host(trainer.optimizer.opt_state.inner_opt_state.inner_state)
+
+
+def test_sft_float16_with_micro_batches_skips_the_overflowing_step_and_orbax_restores_the_scale(tmp_path):
+    trainer = f16_sft_trainer(tmp_path, max_steps=4)
+    snapshots = []  # at each real step's start, and after the last: parameters, adam's state, scale
+
+    def snapshot():
+        snapshots.append((host(nnx.state(trainer.model, nnx.Param)), adam_state(trainer), scale(trainer)))
+
+    def batches():
+        # Eight micro-batches, four real steps; the first micro-batch of the
+        # second step overflows (its update is MultiSteps' to discard, the real
+        # step's is the second's, which is finite: the step must still be skipped).
+        for index in range(8):
+            if index % 2 == 0:
+                snapshot()  # Tunix asks for the next batch when the steps before it were dispatched
+            yield dict(sft_batches(1)[0], factor=jnp.float32(OVERFLOW if index == 2 else 1.0))
+
+    trainer.train(batches())
+    snapshot()
+    assert trainer.train_steps == 4
+    assert [s for *_, s in snapshots] == [(2.0**15, 0), (2.0**15, 0), (2.0**14, 1), (2.0**14, 1), (2.0**14, 1)]
+    for step in range(4):
+        (params_before, adam_before, _), (params_after, adam_after, _) = snapshots[step : step + 2]
+        skipped = step == 1
+        assert same(params_before, params_after) == skipped, step
+        assert same(adam_before, adam_after) == skipped, step  # the moments and count, bit for bit
+    losses = trainer.metrics_logger.get_metric_history("", "loss", "train")
+    assert len(losses) == 4 and losses[1] > 1e6 and losses[3] < losses[0]
+
+    # A new process: a fresh model and optimizer (its live scale at the initial
+    # 2**15); Tunix restores the last checkpoint, optimizer state included.
+    restored = f16_sft_trainer(tmp_path, max_steps=5)
+    assert restored.train_steps == 4 and scale(restored) == (2.0**14, 1)
+    final_params, final_adam, _ = snapshots[-1]
+    assert same(host(nnx.state(restored.model, nnx.Param)), final_params)
+    assert same(adam_state(restored), final_adam)
+    # One more step: its update steers by the restored scale, not the cells' initial one.
+    restored.train([dict(sft_batches(1)[0], factor=jnp.float32(1.0))] * 10)  # Tunix skips the 8 trained
+    assert restored.train_steps == 5 and scale(restored) == (2.0**14, 1)
+    assert not same(host(nnx.state(restored.model, nnx.Param)), final_params)
