@@ -90,18 +90,32 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
         and jnp.finfo(current).max > jnp.finfo(jnp.float16).max
     )
     if narrowing_to_float16:
-        limit = float(jnp.finfo(jnp.float16).max)
         if isinstance(x, (int, float, np.ndarray, np.generic)):  # a literal: no ops needed
             x = np.asarray(x, current)
+            limit = _float16_bound(current)
             x = np.where(np.isinf(x), x, np.clip(x, -limit, limit)).astype(current)
         else:
             x = _saturate_to_float16(x)
     return cast_value(x, dtype)
 
 
+def _float16_bound(dtype: Any) -> np.ndarray:
+    """float16's largest finite value, as the largest value of `dtype` not above it.
+
+    In bfloat16 65504 rounds to 65536, which float16 cannot hold: a bfloat16
+    clamped to it would still turn into inf (an attention mask's fill value
+    into -inf, a fully masked row into NaN). bfloat16's bound is 65280.
+    """
+    limit = float(jnp.finfo(jnp.float16).max)
+    bound = np.asarray(limit, dtype)
+    while float(bound) > limit:
+        bound = np.nextafter(bound, np.asarray(0, dtype))
+    return bound
+
+
 @jax.custom_jvp
 def _saturate_to_float16(x: Any) -> Any:
-    bound = np.asarray(jnp.finfo(jnp.float16).max, x.dtype)
+    bound = _float16_bound(x.dtype)
     clamped = lax.clamp(-bound, x, bound)
     return lax.select(lax.eq(lax.abs(x), np.asarray(np.inf, x.dtype)), x, clamped)
 

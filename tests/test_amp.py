@@ -631,6 +631,25 @@ def test_mask_constants_saturate_instead_of_becoming_inf():
     np.testing.assert_allclose(out, masked_softmax(x, jnp.eye(3), keep), atol=2e-3)
 
 
+@pytest.mark.parametrize("fill", ["literal", "computed"])
+def test_a_bfloat16_mask_fill_saturates_to_float16s_range(fill):
+    # A bfloat16 model under float16 (Tunix's Gemma keeps bfloat16 parameters):
+    # 65504 rounds to 65536 in bfloat16, which is inf in float16, so a clamp
+    # to it turned a fully masked (left-padded) row's -1e9 into -inf and its
+    # softmax into NaN. The bound is bfloat16's largest value below: 65280.
+    def masked_softmax(x, w, keep, big):
+        fill_value = jnp.asarray(-1e9, jnp.bfloat16) if fill == "literal" else -big
+        return jax.nn.softmax(jnp.where(keep, x @ w, fill_value).astype(jnp.bfloat16) @ w.T)
+
+    x = jnp.array([[1.0, 2, 3], [4, 5, 6]], jnp.bfloat16)
+    w = jnp.eye(3, dtype=jnp.bfloat16)
+    keep = jnp.array([[1, 1, 0], [0, 0, 0]], bool)  # second row fully masked
+    big = jnp.asarray(1e9, jnp.bfloat16)
+    out = amp(masked_softmax, compute_dtype="f16")(x, w, keep, big)
+    assert bool(jnp.all(jnp.isfinite(out))), out
+    np.testing.assert_allclose(out.astype(np.float32), masked_softmax(x, w, keep, big).astype(np.float32), atol=1e-2)
+
+
 @pytest.mark.newest_only
 def test_unrepresentable_constants_saturate_to_the_half_maximum():
     # posinf = finfo(float32).max; the result feeds a matmul, so it is not the
