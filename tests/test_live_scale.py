@@ -273,7 +273,7 @@ def test_an_optimizer_factory_shares_its_live_scale_with_what_it_builds():
     def get_optimizer(learning_rate):
         return optax.sgd(learning_rate)
 
-    get_optimizer = jaxamp.loss_scaling(get_optimizer)
+    get_optimizer = jaxamp.scaling.loss_scaling_factory(get_optimizer)
     assert get_optimizer.__name__ == "get_optimizer"
     loss = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=get_optimizer)
     tx = get_optimizer(0.1)  # built later, by the framework
@@ -292,10 +292,10 @@ def test_an_optimizer_factory_shares_its_live_scale_with_what_it_builds():
     with pytest.raises(
         TypeError, match=r"jaxamp.loss_scaling of .*<lambda> expects an optax GradientTransformation.*got str"
     ):
-        jaxamp.loss_scaling(lambda: "not an optimizer")()
+        jaxamp.scaling.loss_scaling_factory(lambda: "not an optimizer")()
 
 
-@pytest.mark.filterwarnings("ignore:`with mesh:` context manager has been deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated:DeprecationWarning")
 @pytest.mark.parametrize("context", ["set_mesh", "with mesh"])
 def test_an_init_under_jit_leaves_the_cells_to_follow_the_steps_mesh(context):
     # MaxText initialises its state under jit: the cells stay where they were

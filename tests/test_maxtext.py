@@ -33,7 +33,7 @@ import jaxamp
 
 mode, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "f16":  # docs/porting.md's two lines, started at a scale that overflows
-    optimizers.get_optimizer = jaxamp.loss_scaling(optimizers.get_optimizer, scaler=2.0**24)
+    optimizers.get_optimizer = jaxamp.scaling.loss_scaling_factory(optimizers.get_optimizer, scaler=2.0**24)
     train.loss_fn = jaxamp.amp(train.loss_fn, compute_dtype="f16", loss_scale=optimizers.get_optimizer)
 records = []
 _write = metric_logger.MetricLogger.write_metrics

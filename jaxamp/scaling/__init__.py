@@ -53,7 +53,7 @@ from ._loss_scale import (
     register_empty_pytree,
     warn_if_not_floating,
 )
-from ._loss_scaling import LossScaleState, loss_scaling
+from ._loss_scaling import LossScaleState, loss_scaling, loss_scaling_factory
 from ._metrics import record_scale_metrics, scale_metrics
 from ._optax import SkipNonFiniteState, apply_if_finite_updates, skip_nonfinite_updates
 from ._scale_monitor import LossScaleMonitor
@@ -76,6 +76,7 @@ __all__ = [
     "dynamic_scale_tx",
     "dynamic_scale_value_and_grad",
     "loss_scaling",
+    "loss_scaling_factory",
     "record_scale_metrics",
     "register_empty_pytree",
     "scale_metrics",

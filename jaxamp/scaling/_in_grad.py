@@ -188,8 +188,8 @@ class LossScaling:
                 "no loss scale to read. Wrap the optimizer, tx = jaxamp.loss_scaling(optax.adamw(...)), "
                 "hand tx to the framework and give amp the same tx."
             )
-        elif not self.from_state:
-            as_loss_scale(loss_scale)  # a bad value is named when amp is made
+        else:
+            as_loss_scale(loss_scale)  # a bad value (or two scales in a state) is named when amp is made
         if self.from_state:
             check_placement(loss_scale, live=self.live is not None)
         elif self.live is not None:

@@ -63,7 +63,7 @@ class LossScaleState(NamedTuple):
 
 
 def loss_scaling(
-    optimizer: optax.GradientTransformation | Callable[..., optax.GradientTransformation],
+    optimizer: optax.GradientTransformation,
     *,
     scaler: Any = 2.0**15,
     patience: Any = 2000,
@@ -126,11 +126,8 @@ def loss_scaling(
     every later step (amp refuses that order).
 
     Args:
-        optimizer: any optax gradient transformation; or a function that
-            builds one (a framework's optimizer factory, such as MaxText's
-            ``optimizers.get_optimizer``): then a function that builds it and
-            wraps it, every optimizer it builds sharing one live scale, which
-            amp reads given that function (``loss_scale=get_optimizer``).
+        optimizer: any optax gradient transformation (for a function that
+            builds one, `loss_scaling_factory`).
         scaler: the initial loss scale (float, within the bounds).
         patience: finite steps in a row before the scale grows (int >= 0).
         adjust_factor: growth multiplier and shrink divisor (float >= 1).
@@ -144,16 +141,75 @@ def loss_scaling(
             raises a ValueError asking for it.
 
     Returns:
-        A `GradientTransformationExtraArgs` whose state is a `LossScaleState`
-        (given a factory: the wrapping factory).
+        A `GradientTransformationExtraArgs` whose state is a `LossScaleState`.
 
     Raises:
         TypeError: `optimizer` is not a gradient transformation, `axis_name` is
             not a name or tuple of names, or a schedule value has the wrong kind.
         ValueError: a schedule value out of range (as `DynamicScalerState`).
     """
-    factory = callable(optimizer) and not hasattr(optimizer, "update")
-    inner = None if factory else check_optimizer(optimizer, "jaxamp.loss_scaling")
+    if callable(optimizer) and not hasattr(optimizer, "update"):
+        raise TypeError(
+            f"jaxamp.loss_scaling expects an optax GradientTransformation (with init and update), got the "
+            f"function {_name(optimizer)}. For a function that builds the optimizer (a framework's "
+            "factory), use jaxamp.scaling.loss_scaling_factory."
+        )
+    inner = check_optimizer(optimizer, "jaxamp.loss_scaling")
+    return _scaled(inner, *_schedule(scaler, patience, adjust_factor, min_scaler, max_scaler, axis_name))
+
+
+def loss_scaling_factory(
+    factory: Callable[..., optax.GradientTransformation],
+    *,
+    scaler: Any = 2.0**15,
+    patience: Any = 2000,
+    adjust_factor: Any = 2.0,
+    min_scaler: Any = 1.0,
+    max_scaler: Any = 2.0**24,
+    axis_name: AxisName | None = None,
+) -> Callable[..., optax.GradientTransformationExtraArgs]:
+    """`factory`, a function that builds an optax optimizer, made to build it wrapped in `loss_scaling`.
+
+    For a framework that builds its optimizer itself (MaxText's
+    ``optimizers.get_optimizer``): patch its factory with this, and give amp
+    the returned function, ``amp(loss, compute_dtype="f16",
+    loss_scale=optimizers.get_optimizer)``, before any optimizer exists.
+    Every optimizer it builds shares one live scale, which amp reads.
+
+    Args:
+        factory: a function returning an optax gradient transformation.
+        scaler, patience, adjust_factor, min_scaler, max_scaler, axis_name:
+            as `loss_scaling`'s.
+
+    Returns:
+        A function with `factory`'s signature and name.
+
+    Raises:
+        TypeError: `factory` is not callable (the returned function raises one
+            where `factory` returns no gradient transformation), or a setting
+            has the wrong kind, as `loss_scaling`.
+        ValueError: a schedule value out of range.
+    """
+    if not callable(factory) or hasattr(factory, "update"):
+        raise TypeError(
+            "jaxamp.scaling.loss_scaling_factory expects a function that builds an optax optimizer, got "
+            f"{type(factory).__name__}: {factory!r:.200}. Wrap an optimizer itself with jaxamp.loss_scaling."
+        )
+    settings = _schedule(scaler, patience, adjust_factor, min_scaler, max_scaler, axis_name)
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+        inner = check_optimizer(factory(*args, **kwargs), f"jaxamp.loss_scaling of {_name(factory)}")
+        return _scaled(inner, *settings)
+
+    build._jaxamp_live_scale = settings[2]  # type: ignore[attr-defined]
+    return build
+
+
+def _schedule(
+    scaler: Any, patience: Any, adjust_factor: Any, min_scaler: Any, max_scaler: Any, axis_name: Any
+) -> tuple[DynamicScalerState, Any, LiveScale]:
+    """The validated initial scaler state, axis name and live scale of a `loss_scaling` call."""
     axis_name = check_axis_name(axis_name, "jaxamp.loss_scaling")
     # Validated once here, by the class both paths share; the messages name
     # its fields, which are these keywords.
@@ -172,22 +228,7 @@ def loss_scaling(
     initial = jax.tree_util.tree_map(_as_numpy_if_concrete, initial)
     # Its cells need the initial scale as a number, and no enclosing trace.
     live = LiveScale(initial.scaler if isinstance(initial.scaler, np.ndarray) else None)
-    if factory:
-        return _scaling_factory(optimizer, initial, axis_name, live)
-    assert inner is not None
-    return _scaled(inner, initial, axis_name, live)
-
-
-def _scaling_factory(factory: Callable[..., Any], initial: DynamicScalerState, axis_name: Any, live: LiveScale) -> Any:
-    """`factory`, its optimizers wrapped in `loss_scaling`, all sharing one live scale (the factory's)."""
-
-    @functools.wraps(factory)
-    def build(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
-        inner = check_optimizer(factory(*args, **kwargs), f"jaxamp.loss_scaling of {_name(factory)}")
-        return _scaled(inner, initial, axis_name, live)
-
-    build._jaxamp_live_scale = live  # type: ignore[attr-defined]
-    return build
+    return initial, axis_name, live
 
 
 def _name(fn: Any) -> str:
