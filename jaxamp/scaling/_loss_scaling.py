@@ -178,8 +178,12 @@ def loss_scaling_factory(
 
     Args:
         factory: a function returning an optax gradient transformation.
-        scaler, patience, adjust_factor, min_scaler, max_scaler, axis_name:
-            as `loss_scaling`'s.
+        scaler: the initial loss scale, as `loss_scaling`'s.
+        patience: as `loss_scaling`'s.
+        adjust_factor: as `loss_scaling`'s.
+        min_scaler: as `loss_scaling`'s.
+        max_scaler: as `loss_scaling`'s.
+        axis_name: as `loss_scaling`'s.
 
     Returns:
         A function with `factory`'s signature and name.
