@@ -86,6 +86,7 @@ class LiveScale:
         )
         replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._cells = self._make(replicated)
+        self._traced = False  # new cells: no compiled step holds these
 
     def cells(self) -> dict[str, Any]:
         """The cells; inside a trace, on the devices of the mesh it runs under."""
