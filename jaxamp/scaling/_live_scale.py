@@ -47,9 +47,10 @@ class LiveScale:
         self.initial_scale = None if initial_scale is None else float(initial_scale)
         self.attached = False
         self._traced = False  # a trace has closed over the cells: they stay where they are
+        # Made at first need, not here: an optimizer built before
+        # `jax.distributed.initialize` (a driver's import-time patch) must not
+        # start JAX's backends.
         self._cells: dict[str, Any] | None = None
-        if self.initial_scale is not None and not _compat.staging():
-            self._cells = self._make(None)
 
     def _make(self, sharding: Any) -> dict[str, Any]:
         def cell(value: Any) -> Any:
@@ -74,7 +75,7 @@ class LiveScale:
         A jitted step over a mesh takes its closed-over refs on that mesh; a
         ref on one device would not be. Traced params leave the cells as made.
         """
-        if self._cells is None or _compat.staging():
+        if self.initial_scale is None or _compat.staging():
             return
         mesh = next(
             (
@@ -84,23 +85,31 @@ class LiveScale:
             ),
             None,
         )
-        replicated = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self._cells = self._make(replicated)
+        self._cells = self._make(None if mesh is None else _replicated(mesh))
         self._traced = False  # new cells: no compiled step holds these
 
     def cells(self) -> dict[str, Any]:
-        """The cells; inside a trace, on the devices of the mesh it runs under."""
+        """The cells, made at first need; inside a trace, on the devices of the mesh it runs under."""
+        self._check_initial()
+        staging = _compat.staging()
         if self._cells is None:
-            raise ValueError(
-                "amp's loss_scale is a jaxamp.loss_scaling transformation made inside a traced function "
-                "(under jax.jit) or with a traced initial scale: its live scale needs cells made outside "
-                "any trace, from a number. Build the optimizer outside the jitted step, or pass the "
-                "optimizer state: loss_scale=opt_state."
-            )
-        if _compat.staging():
+            mesh = _compat.context_mesh() if staging else None
+            with _compat.outside_traces():
+                self._cells = self._make(None if mesh is None else _replicated(mesh))
+        elif staging:
             self._follow_mesh()
+        if staging:
             self._traced = True
         return self._cells
+
+    def _check_initial(self) -> None:
+        if self.initial_scale is None:
+            raise ValueError(
+                "amp's loss_scale is a jaxamp.loss_scaling transformation made inside a traced function "
+                "(under jax.jit) or with a traced initial scale: its live scale needs its initial scale "
+                "as a number. Build the optimizer outside the jitted step, or pass the optimizer "
+                "state: loss_scale=opt_state."
+            )
 
     def _follow_mesh(self) -> None:
         """Remake the cells on the context mesh's devices where they are elsewhere and no trace holds them yet.
@@ -121,11 +130,11 @@ class LiveScale:
                 "parameters placed on the mesh, or give amp the optimizer state (loss_scale=opt_state)."
             )
         with _compat.outside_traces():
-            self._cells = self._make(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+            self._cells = self._make(_replicated(mesh))
 
     def attach(self) -> None:
         """amp was given this transformation: from now on its update reads and writes the cells."""
-        self.cells()
+        self._check_initial()
         self.attached = True
 
     def read_scale(self) -> jax.Array:
@@ -177,6 +186,10 @@ class LiveScale:
         c["last_count"][...] = jnp.asarray(scaler_state.count, jnp.int32)
         c["last_resets"][...] = jnp.asarray(scaler_state.total_resets, jnp.int32)
         c["scale"][...] = jnp.asarray(scaler_state.scaler, jnp.float32)
+
+
+def _replicated(mesh: Any) -> Any:
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def _devices(cells: dict[str, Any]) -> set[Any]:
