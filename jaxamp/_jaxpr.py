@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, MutableMapping
 from typing import Any
 
 import equinox as eqx
@@ -26,6 +26,7 @@ __all__ = [
     "holds_matmul",
     "matmul_name",
     "matmuls_in",
+    "memoised_per_jaxpr",
     "merge_runs",
     "source_label",
     "trace_array_leaves",
@@ -77,6 +78,21 @@ def matmul_name(eqn: Any) -> str:
 def holds_matmul(eqn: Any) -> bool:
     """Whether `eqn` is a matmul or carries one in a body (a call, a loop...)."""
     return eqn.primitive.name in MATMUL_NAMES or any(next(matmuls_in(body), None) is not None for body in bodies(eqn))
+
+
+def memoised_per_jaxpr(cache: MutableMapping[Any, dict], jaxpr: Any, key: Hashable, make: Callable[[], Any]) -> Any:
+    """``make()``, kept in `cache` (weak in `jaxpr`) under `key`: an analysis of one jaxpr, done once per key.
+
+    A jaxpr that takes no weak reference is analysed anew on each call.
+    """
+    try:
+        per_jaxpr = cache.setdefault(jaxpr, {})
+    except TypeError:  # not weak-referenceable
+        per_jaxpr = {}
+    found = per_jaxpr.get(key)
+    if found is None:
+        found = per_jaxpr[key] = make()
+    return found
 
 
 def merge_runs(runs: Iterable[tuple[int, int]]) -> dict[int, int]:

@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import _compat
 from .._casting import cast_value, dtype_of
+from .._jaxpr import memoised_per_jaxpr
 
 __all__ = ["Regions"]
 
@@ -55,13 +56,10 @@ _handing_on_scopes_of_table = functools.lru_cache(maxsize=32)(_scan_for_handing_
 
 def _region_exits(jaxpr: Any, scopes: frozenset[str]) -> tuple[list, dict[int, tuple[int, ...]]]:
     """``(scope of each equation or None, {equation: outputs leaving its scope})``."""
-    try:
-        per_jaxpr = _EXITS.setdefault(jaxpr, {})
-    except TypeError:  # not weak-referenceable
-        per_jaxpr = {}
-    found = per_jaxpr.get(scopes)
-    if found is not None:
-        return found
+    return memoised_per_jaxpr(_EXITS, jaxpr, scopes, lambda: _find_region_exits(jaxpr, scopes))
+
+
+def _find_region_exits(jaxpr: Any, scopes: frozenset[str]) -> tuple[list, dict[int, tuple[int, ...]]]:
     scope_of = [next((s for s in _compat.eqn_scopes(eqn) if s in scopes), None) for eqn in jaxpr.eqns]
     users: dict[Any, set] = {}
     for eqn, scope in zip(jaxpr.eqns, scope_of):
@@ -78,8 +76,7 @@ def _region_exits(jaxpr: Any, scopes: frozenset[str]) -> tuple[list, dict[int, t
         )
         if leaving:
             exits[i] = leaving
-    found = per_jaxpr[scopes] = (scope_of, exits)
-    return found
+    return scope_of, exits
 
 
 class Regions:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .. import _compat
-from .._jaxpr import holds_matmul, merge_runs
+from .._jaxpr import holds_matmul, memoised_per_jaxpr, merge_runs
 from . import _ranges
 
 __all__ = ["CONSTANT", "MOMENT", "NORMALISER", "OTHER", "StatisticsPlan", "plan_statistics"]
@@ -136,14 +136,7 @@ def plan_statistics(
         tuple(summed_outputs) if summed_outputs is not None else (False,) * len(jaxpr.outvars),
         tuple(in_ranges) if in_ranges is not None else (None,) * len(jaxpr.invars),
     )
-    try:
-        per_jaxpr = _PLANS.setdefault(jaxpr, {})
-    except TypeError:  # not weak-referenceable: plan without memoising
-        per_jaxpr = {}
-    plan = per_jaxpr.get(key)
-    if plan is None:
-        plan = per_jaxpr[key] = _plan(jaxpr, *key)
-    return plan
+    return memoised_per_jaxpr(_PLANS, jaxpr, key, lambda: _plan(jaxpr, *key))
 
 
 def _size(var: Any) -> int:

@@ -50,7 +50,7 @@ import numpy as np
 
 from .. import _compat
 from .._dtypes import is_castable
-from .._jaxpr import MATMUL_NAMES
+from .._jaxpr import MATMUL_NAMES, memoised_per_jaxpr
 
 __all__ = ["NOTHING", "UpcastPlan", "plan_upcasts"]
 
@@ -115,14 +115,7 @@ def plan_upcasts(jaxpr: Any, in_classes: Sequence[Class] | None = None) -> Upcas
         The plan (memoised per jaxpr and classes).
     """
     key = tuple(in_classes) if in_classes is not None else tuple(_given(v) for v in jaxpr.invars)
-    try:
-        per_jaxpr = _PLANS.setdefault(jaxpr, {})
-    except TypeError:  # not weak-referenceable: plan without memoising
-        per_jaxpr = {}
-    plan = per_jaxpr.get(key)
-    if plan is None:
-        plan = per_jaxpr[key] = _plan(jaxpr, key)
-    return plan
+    return memoised_per_jaxpr(_PLANS, jaxpr, key, lambda: _plan(jaxpr, key))
 
 
 def _dtype(v: Any) -> np.dtype | None:
