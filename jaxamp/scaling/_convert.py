@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._dynamic_scaler import DynamicScalerState
+from ._live_scale import replicated_like
 from ._loss_scaling import LossScaleState
 
 __all__ = ["with_loss_scaling_state", "without_loss_scaling_state"]
@@ -271,8 +272,7 @@ def _wrap_at(opt_state: Any, path: tuple, fresh: tuple, whole: Any) -> Any:
 def _place(fresh: tuple, like: Any) -> tuple:
     """The fresh scale parts as arrays like `like`'s leaves: abstract, replicated on their mesh, or plain."""
     leaves = jax.tree_util.tree_leaves(like)
-    shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
-    replicated = next((_replicated(s) for s in shardings if _replicated(s) is not None), None)
+    replicated = replicated_like(like)
     if leaves and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
         return jax.tree_util.tree_map(
             lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=replicated), fresh
@@ -280,9 +280,3 @@ def _place(fresh: tuple, like: Any) -> tuple:
     if replicated is None:
         return jax.tree_util.tree_map(jnp.asarray, fresh)
     return jax.tree_util.tree_map(lambda v: jax.device_put(np.asarray(v), replicated), fresh)
-
-
-def _replicated(sharding: Any) -> Any:
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return None

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _compat
 
-__all__ = ["LiveScale", "find_live_scale"]
+__all__ = ["LiveScale", "find_live_scale", "replicated_like"]
 
 
 class LiveScale:
@@ -77,15 +77,7 @@ class LiveScale:
         """
         if self.initial_scale is None or _compat.staging():
             return
-        mesh = next(
-            (
-                leaf.sharding.mesh
-                for leaf in jax.tree_util.tree_leaves(params)
-                if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, jax.sharding.NamedSharding)
-            ),
-            None,
-        )
-        self._cells = self._make(None if mesh is None else _replicated(mesh))
+        self._cells = self._make(replicated_like(params))
         self._traced = False  # new cells: no compiled step holds these
 
     def cells(self) -> dict[str, Any]:
@@ -190,6 +182,15 @@ class LiveScale:
 
 def _replicated(mesh: Any) -> Any:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def replicated_like(tree: Any) -> Any:
+    """A sharding replicated over the mesh of `tree`'s first leaf on a mesh (arrays or abstract), else None."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return _replicated(sharding.mesh)
+    return None
 
 
 def _devices(cells: dict[str, Any]) -> set[Any]:
