@@ -9,10 +9,14 @@ A tiny config (2 llama2 layers, width 64, vocabulary 256, sequence 64) on
 synthetic data; float32 against amp float16 started at a scale of 2**24, where
 the first steps overflow: they must be skipped, the scale must fall, and the
 run must then follow float32's losses, late by the skipped steps. Tolerance:
-0.2% of the loss (measured 0.004% at step 19 with no step skipped).
+0.2% of the loss (measured 0.004% at step 19 with no step skipped). With
+MaxText's spike rule on, its ``optim/step_skipped`` (through docs/porting.md's
+metrics wrapper under float16) marks exactly the overflowed steps, whose
+gradient norms read NaN.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,13 +46,22 @@ def write_metrics(self, metrics, step, metric_type="train"):
         records.append({k: float(v) for k, v in metrics["scalar"].items()})
     return _write(self, metrics, step, metric_type)
 metric_logger.MetricLogger.write_metrics = write_metrics
-if mode == "f16":  # the scale where MaxText logs (docs/porting.md)
+if mode == "f16":  # the scale and both kinds of skipped step where MaxText logs (docs/porting.md)
+    import jax.numpy as jnp
     from flax import nnx
-    _step = train.train_step
+    _train_step = train.train_step
     def train_step(model, *args, **kwargs):
-        state, metrics = _step(model, *args, **kwargs)
-        scale = jaxamp.scaling.scale_metrics(nnx.merge(model, state).optimizer)
-        metrics["scalar"].update({f"optim/{k}": v for k, v in scale.items()})
+        state, metrics = _train_step(model, *args, **kwargs)
+        opt_state = nnx.merge(model, state).optimizer.opt_state
+        scale = jaxamp.scaling.scale_metrics(opt_state)
+        overflowed = jnp.logical_not(scale["last_step_finite"])
+        spiked = jnp.asarray(opt_state.inner_state["is_skipped"]) if "is_skipped" in opt_state.inner_state else False
+        scalar = metrics["scalar"]
+        scalar.update({f"optim/{k}": v for k, v in scale.items()})
+        scalar["optim/step_skipped"] = jnp.logical_or(overflowed, spiked).astype(jnp.float32)
+        for norm in ("learning/grad_norm", "learning/raw_grad_norm"):
+            if norm in scalar:
+                scalar[norm] = jnp.where(overflowed, jnp.nan, scalar[norm])
         return state, metrics
     train.train_step = train_step
 config = os.path.join(os.path.dirname(maxtext.__file__), "configs", "decoupled_base_test.yml")
@@ -58,13 +71,15 @@ train.main([
     "base_num_decoder_layers=2", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=16",
     "base_mlp_dim=128", "vocab_size=256", "enable_checkpointing=false", "learning_rate=1e-3",
     f"learning_rate_schedule_steps={steps}", "log_period=1", "attention=dot_product",
-    "weight_dtype=float32", "dtype=float32",
+    "weight_dtype=float32", "dtype=float32", "skip_step_on_spikes=true",
 ])
 last = records[-1]
 print("RESULT", json.dumps({
     "losses": [r["learning/loss"] for r in records],
     "loss_scale": last.get("optim/loss_scale"),
     "skipped_steps": last.get("optim/skipped_steps"),
+    "step_skipped": [r["optim/step_skipped"] for r in records],
+    "grad_norms": [r["learning/raw_grad_norm"] for r in records],
 }))
 """
 
@@ -92,3 +107,9 @@ def test_maxtext_float16_two_driver_lines_skip_overflows_and_follow_float32(tmp_
     assert f16["losses"][: skipped + 1] == [f16["losses"][0]] * (skipped + 1)
     for late, want in zip(f16["losses"][skipped:], f32["losses"]):
         assert abs(late / want - 1) < 2e-3, (f16["losses"], f32["losses"])
+    # MaxText's own skip metric (its spike rule, which skips nothing this early) and the overflows.
+    assert f32["step_skipped"] == [0.0] * STEPS
+    assert f16["step_skipped"] == [1.0] * skipped + [0.0] * (STEPS - skipped)
+    assert all(math.isnan(n) for n in f16["grad_norms"][:skipped]), f16["grad_norms"]
+    for late, want in zip(f16["grad_norms"][skipped:], f32["grad_norms"]):
+        assert abs(late / want - 1) < 2e-2, (f16["grad_norms"], f32["grad_norms"])
