@@ -127,6 +127,7 @@ def test_gradients_keep_the_parameters_dtype():
     assert {leaf.dtype for leaf in jax.tree_util.tree_leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
 
 
+@pytest.mark.newest_only
 def test_every_form_of_loss_scale_gives_the_same_gradients():
     params, (x, y) = _params(), _batch()
     optimizer = optax.chain(optax.clip(1.0), jaxamp.loss_scaling(optax.adam(0.1), scaler=2.0**9))
@@ -229,6 +230,7 @@ _FORMS = [(form, True) for form in _GRADIENTS_OF_THE_AMPD_FUNCTION] + [
 
 
 @pytest.mark.parametrize(("form", "jit"), _FORMS, ids=[f"{f}-{'jit' if j else 'eager'}" for f, j in _FORMS])
+@pytest.mark.newest_only
 def test_a_gradient_taken_of_the_amped_function_in_any_form_reaches_the_update_silently(form, jit, recwarn):
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
 
@@ -248,6 +250,7 @@ def test_a_gradient_taken_of_the_amped_function_in_any_form_reaches_the_update_s
     ids=["jax.grad", "eqx.filter_grad", "value_and_grad"],
 )
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.newest_only
 def test_amp_around_a_function_that_takes_its_own_gradient_is_said_at_the_update(inner_grad, jit):
     # amp(grad(loss)): no gradient is taken of what amp made, so its scale
     # reaches no backward pass, and the inner one runs unscaled in float16.

@@ -58,6 +58,7 @@ K = jax.random.normal(KEYS[1], (2, 4, 8)).astype(jnp.bfloat16)
 
 
 @pytest.mark.parametrize("compute_dtype", ["bf16", "f16"])
+@pytest.mark.newest_only
 def test_both_operands_widened_run_in_float32(compute_dtype):
     assert _matmuls(_qk, Q, K, compute_dtype=compute_dtype) == [((F32, F32), F32)]
     (row,) = _rows(_qk, Q, K, compute_dtype=compute_dtype)
@@ -88,6 +89,7 @@ W1 = jax.random.normal(KEYS[3], (16, 16)).astype(jnp.bfloat16) / 4
 W2 = jax.random.normal(KEYS[4], (16, 8)) / 4  # float32
 
 
+@pytest.mark.newest_only
 def test_one_operand_widened_beside_a_float32_parameter():
     assert _matmuls(_bf16_model, X, W1, W2, compute_dtype="bf16") == [((BF16, BF16), BF16), ((F32, F32), F32)]
     first, second = _rows(_bf16_model, X, W1, W2, compute_dtype="bf16")
@@ -98,6 +100,7 @@ def test_one_operand_widened_beside_a_float32_parameter():
     )
 
 
+@pytest.mark.newest_only
 def test_flax_dense_with_float32_dtype_fed_bfloat16_activations():
     nn = pytest.importorskip("flax.linen")
 
@@ -118,6 +121,7 @@ def _f32_model(x, w1, w2):
 
 
 @pytest.mark.parametrize("compute_dtype", ["bf16", "f16"])
+@pytest.mark.newest_only
 def test_a_float32_program_is_unchanged(compute_dtype):
     # Nothing is widened from half precision: amp runs every matmul in the compute dtype.
     x, w1 = X.astype(jnp.float32), W1.astype(jnp.float32)
@@ -126,6 +130,7 @@ def test_a_float32_program_is_unchanged(compute_dtype):
     assert all(r.decided_by == "primitive" for r in _rows(_f32_model, x, w1, W2, compute_dtype=compute_dtype))
 
 
+@pytest.mark.newest_only
 def test_a_float32_model_casting_its_bfloat16_batch_up_is_unchanged():
     # The cast adopts the input into a float32 model (JAX's promotion records
     # x_bf16 @ w1 the same way): not a request (docs/porting.md).
@@ -136,6 +141,7 @@ def test_a_float32_model_casting_its_bfloat16_batch_up_is_unchanged():
     assert _matmuls(model, X, w1, W2, compute_dtype="bf16") == [((BF16, BF16), BF16)] * 2
 
 
+@pytest.mark.newest_only
 def test_a_cast_of_a_value_amp_moved_is_not_a_request():
     # The analysis reads the user's jaxpr: in a float32 program the matmul's
     # operands are float32 from the start; amp's own casts to bfloat16 and
@@ -148,6 +154,7 @@ def test_a_cast_of_a_value_amp_moved_is_not_a_request():
     assert _matmuls(two_layers, x, w, compute_dtype="bf16") == [((BF16, BF16), BF16)] * 2
 
 
+@pytest.mark.newest_only
 def test_a_users_table_entry_comes_first():
     def in_compute_dtype(compute_dtype, original_dtypes, *invars, **params):
         return jaxamp.use_compute_precision(compute_dtype, original_dtypes, *invars, **params)
@@ -168,6 +175,7 @@ def test_a_users_table_entry_comes_first():
     assert _matmuls(_qk, Q, K, compute_dtype="bf16", amp_policy=table) == [((BF16, BF16), BF16)]
 
 
+@pytest.mark.newest_only
 def test_amp_stop_comes_first():
     stopped = jaxamp.amp_stop(_qk)
     assert _matmuls(stopped, Q, K, compute_dtype="bf16") == [((F32, F32), F32)]
@@ -233,6 +241,7 @@ def test_through_a_jit_a_scan_and_a_shared_body():
     assert sorted(found, key=str) == sorted([((F32, F32), F32), ((BF16, BF16), BF16)], key=str)
 
 
+@pytest.mark.newest_only
 def test_a_convolution_on_widened_operands():
     x = jax.random.normal(KEYS[0], (2, 3, 16)).astype(jnp.bfloat16)
     k = jax.random.normal(KEYS[1], (4, 3, 3)).astype(jnp.bfloat16)
@@ -253,6 +262,7 @@ def _dots(fn, *args):
     return sorted(found, key=str)
 
 
+@pytest.mark.newest_only
 def test_gradients_of_a_widened_matmul_run_in_float32():
     # As for precision=HIGHEST: jax.grad of the amp'd function transposes a
     # float32 matmul, so both backward matmuls run in float32 too.
@@ -264,6 +274,7 @@ def test_gradients_of_a_widened_matmul_run_in_float32():
     assert _dots(grad, X, W1, W2) == sorted([((BF16, BF16), BF16)] * 3 + [((F32, F32), F32)] * 3, key=str)
 
 
+@pytest.mark.newest_only
 def test_amp_of_a_gradient_keeps_the_backward_matmuls_that_take_a_widened_operand():
     # amp of jax.grad reads the differentiated program: each backward matmul
     # of MaxText's float32 scores takes a widened query or key (computed by
@@ -278,6 +289,7 @@ def test_amp_of_a_gradient_keeps_the_backward_matmuls_that_take_a_widened_operan
     assert all(dtypes in (((F32, F32), F32), ((BF16, BF16), BF16)) for dtypes in found)
 
 
+@pytest.mark.newest_only
 def test_numerics_match_the_float32_program():
     # Scores of bf16 queries and keys, computed in float32 as the program
     # asks: amp's result is the program's own to float32 rounding (1e-6),

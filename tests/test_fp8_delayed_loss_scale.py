@@ -91,6 +91,7 @@ PATHS = {"loss_scaling": _loss_scaling_step, "explicit": _explicit_step}
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.newest_only
 def test_a_scale_that_doubles_then_halves_keeps_the_cotangent_error_and_true_amaxes(path):
     run = PATHS[path]()
     params, x = _problem()
@@ -118,6 +119,7 @@ def test_a_scale_that_doubles_then_halves_keeps_the_cotangent_error_and_true_ama
 
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.integers(0, 15), min_size=2, max_size=5))
+@pytest.mark.newest_only
 def test_any_power_of_two_scales_give_the_unscaled_run_bit_for_bit(exponents):
     plain = jaxamp.amp(_mlp, compute_dtype=RECIPE)
     run = PATHS["loss_scaling"]()

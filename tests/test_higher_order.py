@@ -248,6 +248,7 @@ def _closed_over_jvp_loss_jvp(primals, tangents):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("with_value", [True, False], ids=["value_and_grad", "grad"])
 @pytest.mark.parametrize("loss", [_closed_over_loss, _closed_over_jvp_loss], ids=["custom_vjp", "custom_jvp"])
+@pytest.mark.newest_only
 def test_custom_rules_closing_over_arrays(loss, with_value, jit):
     # Regression: the rule's traced constants were passed where amp expected
     # none ("zip() argument 2 is shorter than argument 1" on JAX 0.12).

@@ -65,6 +65,7 @@ def _skipped(opt_state):
     return int(jaxamp.scaling.scale_metrics(opt_state)["skipped_steps"])
 
 
+@pytest.mark.newest_only
 def test_gradients_match_the_state_path_bit_for_bit_and_float32_within_tolerance():
     w, (x, y) = _params(), _batch()
     by_state = jaxamp.loss_scaling(optax.sgd(0.1))
@@ -92,6 +93,7 @@ def test_the_live_scale_follows_the_state_it_moves():
     assert moved[-1] == 2.0**12
 
 
+@pytest.mark.newest_only
 def test_an_overflow_skips_the_step_with_zero_gradients_and_the_state_kept():
     tx = jaxamp.loss_scaling(optax.adam(1e-2))
     w = _params()
@@ -173,6 +175,7 @@ class _Model(nnx.Module):
 
 
 @pytest.mark.parametrize("given_as", ["transformation", "nnx.Optimizer"])
+@pytest.mark.newest_only
 def test_nnx_jit_step_with_the_optimizer_inside_multisteps(given_as):
     # Tunix's shape: nnx.jit over (model, optimizer), MultiSteps around the user's optimizer.
     model = _Model(nnx.Rngs(0))
@@ -206,6 +209,7 @@ def test_nnx_jit_step_with_the_optimizer_inside_multisteps(given_as):
     assert any(np.any(a != b) for a, b in zip(params(), after_first))
 
 
+@pytest.mark.newest_only
 def test_the_first_step_after_a_restore_overflowing_at_the_initial_scale_keeps_the_restored_scale():
     w = _params()
     restored = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**3).init(w)

@@ -127,6 +127,7 @@ def test_equinox_state_is_kept_by_select_tree_on_last_finite():
     assert any(not np.array_equal(np.asarray(a), b) for b, a in zip(before, jax.tree_util.tree_leaves(state)))
 
 
+@pytest.mark.newest_only
 def test_equinox_state_taken_and_returned_is_kept_automatically_on_a_nan_batch():
     model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(D, axis_name="batch", mode="ema")
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
@@ -298,6 +299,7 @@ def _linen_net():
 
 
 @pytest.mark.parametrize("select_line", [False, True], ids=["automatic", "with_the_select_tree_line"])
+@pytest.mark.newest_only
 def test_linen_batch_stats_taken_as_an_argument_and_returned_are_kept(select_line):
     # The documented select_tree line (for a backward-only overflow) agrees with what amp keeps.
     net = _linen_net()
@@ -446,6 +448,7 @@ def _vmapped(model, x, state):
 
 
 @pytest.mark.parametrize("same_shapes", [False, True], ids=["gan_like", "two_alike"])
+@pytest.mark.newest_only
 def test_two_equinox_states_are_each_kept_where_amp_can_tell_them_apart(same_shapes):
     # A GAN's step runs the generator and the discriminator, each with its own
     # eqx.nn.State: each returned state is matched to the given one by its

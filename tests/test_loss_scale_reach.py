@@ -96,6 +96,7 @@ _WHERE = {
 
 @settings(max_examples=10, deadline=None)
 @given(where=st.sampled_from(sorted(_WHERE)), jit=st.booleans(), log2_scale=st.integers(0, 16))
+@pytest.mark.newest_only
 def test_wherever_the_parameters_come_from_the_gradient_is_true_scale(where, jit, log2_scale):
     w, state = _params(), _state(2.0**log2_scale)
     grad = (jax.jit(_WHERE[where]) if jit else _WHERE[where])(w, state)
@@ -104,6 +105,7 @@ def test_wherever_the_parameters_come_from_the_gradient_is_true_scale(where, jit
     np.testing.assert_array_equal(np.asarray(grad), np.asarray(jax.jit(_by_argument)(w, state)))
 
 
+@pytest.mark.newest_only
 def test_an_nnx_module_closed_over_under_nnx_grad_gets_true_scale_gradients():
     model = nnx.Linear(D, D, rngs=nnx.Rngs(0))
     state, x = _state(), _x()
@@ -161,6 +163,7 @@ def _overflowing(w, x):
 
 
 @pytest.mark.parametrize("between", [lambda g: jnp.clip(g, -0.3, 0.3), lambda g: g.astype(jnp.bfloat16)])
+@pytest.mark.newest_only
 def test_an_elementwise_clip_or_cast_between_amp_and_the_update_cannot_hide_an_overflow(between):
     w, x = _params(), _x() * 300.0
     optimizer = jaxamp.loss_scaling(optax.adam(0.1), scaler=2.0**15)
@@ -174,6 +177,7 @@ def test_an_elementwise_clip_or_cast_between_amp_and_the_update_cannot_hide_an_o
     assert bool(jnp.all(updates == 0))
 
 
+@pytest.mark.newest_only
 def test_a_finite_step_is_not_touched_by_the_finiteness_decision():
     w, x = _params(), _x()
     grad = jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=2.0**10))(w, x)
@@ -258,6 +262,7 @@ def test_an_amped_function_built_once_and_called_with_an_old_state_is_said_at_th
         _eager_step(optimizer, stale, state)
 
 
+@pytest.mark.newest_only
 def test_a_loss_given_another_optimizers_state_is_said_at_the_update():
     generator, discriminator = jaxamp.loss_scaling(optax.sgd(0.1)), jaxamp.loss_scaling(optax.sgd(0.1))
     g_state, d_state = generator.init(_params()), discriminator.init(_params())
@@ -271,6 +276,7 @@ def test_a_loss_given_another_optimizers_state_is_said_at_the_update():
         step(g_state, d_state)
 
 
+@pytest.mark.newest_only
 def test_an_optimizer_whose_gradients_no_amp_call_scaled_is_said_at_the_update():
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
 
@@ -292,6 +298,7 @@ def test_a_gradient_jitted_apart_from_the_update_is_not_warned_of(recwarn):
     _close(grad, jax.grad(_loss)(_params(), _x()))
 
 
+@pytest.mark.newest_only
 def test_tunix_order_multisteps_around_the_wrapper_is_refused_with_the_order_that_works():
     # Tunix wraps the user's optimizer in optax.MultiSteps: one overflowing
     # micro-batch would leave a NaN in MultiSteps' accumulator (reset by
@@ -302,6 +309,7 @@ def test_tunix_order_multisteps_around_the_wrapper_is_refused_with_the_order_tha
         jaxamp.amp(lambda m, x: jnp.mean(m(x) ** 2), compute_dtype="f16", loss_scale=optimizer.opt_state)
 
 
+@pytest.mark.newest_only
 def test_a_returned_dict_shaped_like_the_batch_comes_back_as_computed():
     # An autoencoder: batch={"image": x} in, {"image": recon} out. Not state.
     w = _params()

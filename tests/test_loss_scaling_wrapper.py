@@ -112,6 +112,7 @@ def test_a_non_finite_step_is_skipped_the_inner_state_kept_bit_for_bit_and_the_s
     assert int(state.scaler_state.total_resets) == 1 and int(state.scaler_state.count) == 0
 
 
+@pytest.mark.newest_only
 def test_finite_steps_give_the_inner_optimizers_updates_bit_for_bit():
     plain, wrapped = optax.adam(0.1), jaxamp.loss_scaling(optax.adam(0.1))
     params = _params()
@@ -241,6 +242,7 @@ def test_inside_multisteps_one_decision_per_real_step_on_finite_steps():
     assert scales == [4.0, 4.0, 8.0, 8.0, 8.0, 16.0]
 
 
+@pytest.mark.newest_only
 def test_inject_hyperparams_inside_and_outside():
     params = _params()
     inner = jaxamp.loss_scaling(optax.inject_hyperparams(optax.adam)(learning_rate=0.1))

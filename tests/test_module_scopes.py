@@ -66,6 +66,7 @@ def test_nnx_module_paths_become_scopes():
     assert {row.decided_by for row in norm_rows} >= {"statistics"}
 
 
+@pytest.mark.newest_only
 def test_folded_table_groups_nnx_layer_instances():
     report = jaxamp.explain(_loss, compute_dtype="bf16")(Model(nnx.Rngs(0)), X)
     folded = report.table().splitlines()

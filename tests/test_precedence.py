@@ -119,6 +119,7 @@ def test_a_user_entry_decides_every_equation_of_a_catalogue_operation(op):
 
 
 @pytest.mark.parametrize("make", MODELS, ids=lambda m: m.__name__)
+@pytest.mark.newest_only
 def test_a_user_entry_decides_every_equation_of_a_zoo_model(make):
     fn, args = zoo_loss(make)
     plain = assert_user_rules_decide(fn, args)

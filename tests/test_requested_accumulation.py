@@ -134,6 +134,7 @@ def test_a_transpose_of_another_value_proves_nothing():
     assert exp.decided_by == "primitive" and exp.dtypes_after == ("f32",)
 
 
+@pytest.mark.newest_only
 def test_a_transposed_row_maximum_against_untransposed_scores_proves_nothing():
     # exp(s - max(s, axis=0).T): the maximum runs over the other axis.
     def fn(x):
@@ -178,6 +179,7 @@ def test_flax_nnx_multi_head_attention_softmax_is_proven_bounded_under_f16():
 
 
 @pytest.mark.parametrize("compute_dtype", ["f16", "bf16"])
+@pytest.mark.newest_only
 def test_dot_product_attention_on_bf16_runs_as_written(compute_dtype):
     # Its scores ask for float32 from bf16 operands with BF16_BF16_F32: a
     # request amp keeps under f16 too (operands, preset and result as written).
@@ -227,6 +229,7 @@ INVERSE_TIMESCALE = 1.0 / 10_000.0 ** (jnp.arange(0, 64, 2, dtype=F32) / 64)
 
 
 @pytest.mark.parametrize("compute_dtype", MODES, ids=MODE_IDS)
+@pytest.mark.newest_only
 def test_rotary_angles_asked_for_at_highest_precision_stay_float32(compute_dtype):
     # In bf16 position 257 rounds to 256: sin(257) == sin(256), an error of
     # 0.76 at position 1023 (1.68 over all frequencies). Asked for at
@@ -281,6 +284,7 @@ def test_no_request_for_float32_is_moved(precision):
     assert (row.decided_by, row.dtypes_after) == ("primitive", ("bf16", "bf16"))
 
 
+@pytest.mark.newest_only
 def test_a_users_dot_general_entry_comes_before_the_request():
     # The table's word on every dot_general is the user's; the program's on
     # one matmul is amp's inference, as the tail is (docs/precision.md). The

@@ -173,6 +173,7 @@ VECTORS = {
 
 
 @pytest.mark.parametrize("name", sorted(VECTORS))
+@pytest.mark.newest_only
 def test_log_probabilities_returned_as_vectors_are_float32(name):
     # Were 2.5e-2 (cross-entropy, logsumexp) and 6.2e-2 (log_softmax) off
     # the float32 result of the same bf16 logits.
@@ -205,6 +206,7 @@ def _inside(kind):
 
 
 @pytest.mark.parametrize("kind", ["jit", "remat", "custom_vjp"])
+@pytest.mark.newest_only
 def test_where_the_loss_sits_does_not_change_its_precision(kind):
     # The last matmul and its log-softmax inside one inner call: were bf16
     # (5.5e-2 off) while the same code inline was float32.
