@@ -9,6 +9,8 @@ accumulator. References: the ``loss_scale=opt_state`` path (bit for bit) and
 float32's gradients (float16 tolerance).
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,6 +110,37 @@ def test_an_overflow_skips_the_step_with_zero_gradients_and_the_state_kept():
         np.testing.assert_array_equal(after, before)
     assert _scale(new_state) == _scale(opt_state) / 2
     assert _skipped(new_state) == 1 and not bool(new_state.last_finite)
+
+
+@pytest.mark.parametrize("other_attached", [False, True], ids=["other_never_given", "other_given_before"])
+def test_gradients_scaled_by_another_transformations_live_scale_are_said_at_the_update(other_attached):
+    scaled_by, applied_by = jaxamp.loss_scaling(optax.adam(1e-2)), jaxamp.loss_scaling(optax.adam(1e-2))
+    w = _params()
+    if other_attached:  # applied_by's update already reads its own cells
+        _stepper(applied_by, applied_by)(w, applied_by.init(w), *_batch())
+    # The loss given one transformation, its gradients handed to the other's update.
+    with pytest.warns(UserWarning, match="another loss_scaling transformation's live scale"):
+        _, state, _ = _stepper(applied_by, scaled_by)(w, applied_by.init(w), *_batch(overflow=True))
+    # The zeros amp handed back were applied as a step: what the warning is about.
+    assert bool(state.last_finite)
+
+
+def test_two_losses_each_given_its_own_transformation_are_not_warned_about():
+    tx_a, tx_b = jaxamp.loss_scaling(optax.adam(1e-2)), jaxamp.loss_scaling(optax.adam(1e-2))
+    loss_a = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx_a)
+    loss_b = jaxamp.amp(lambda w, x, y: _loss(w.T, x, y), compute_dtype="f16", loss_scale=tx_b)
+
+    @jax.jit
+    def step(w_a, w_b, state_a, state_b, x, y):  # a GAN's shape: both gradients, then both updates
+        g_a, g_b = jax.grad(loss_a)(w_a, x, y), jax.grad(loss_b)(w_b, x, y)
+        u_a, state_a = tx_a.update(g_a, state_a, w_a)
+        u_b, state_b = tx_b.update(g_b, state_b, w_b)
+        return optax.apply_updates(w_a, u_a), optax.apply_updates(w_b, u_b), state_a, state_b
+
+    w = _params()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(w, w, tx_a.init(w), tx_b.init(w), *_batch())
 
 
 def test_an_elementwise_clip_before_the_update_does_not_hide_the_overflow():

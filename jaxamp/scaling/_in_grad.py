@@ -233,7 +233,7 @@ class LossScaling:
             assert self.live is not None
             self.live.attach()
             scale = self.live.read_scale()
-            note_live_call()
+            note_live_call(self.live)
             unscale_inputs = functools.partial(unscale_all_live, live=self.live)
         else:
             if self.live is not None:

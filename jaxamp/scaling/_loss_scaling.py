@@ -28,7 +28,7 @@ from ._dynamic_scaler import DynamicScalerState, next_scaler_state
 from ._finite import AxisName, check_axis_name, select_tree
 from ._live_scale import LiveScale
 from ._optax import check_optimizer, gradients_finite, update_if_finite
-from ._scale_uses import check_scale_use
+from ._scale_uses import check_live_use, check_scale_use
 
 __all__ = ["LossScaleState", "find_scale_state", "find_scaler_state", "is_scale_state", "loss_scaling"]
 
@@ -264,8 +264,9 @@ def _scaled(
         overflow, stale = live.overflow_since_commit(state.scaler_state) if live.attached else (None, None)
         if overflow is not None:
             finite = finite & ~overflow
+            check_live_use(live)
         else:
-            check_scale_use(state.scaler_state.scaler)
+            check_scale_use(state.scaler_state.scaler, live)
         if isinstance(state.inner_state, optax.MultiStepsState):
             updates, new_state = _accumulating_update(inner, state, finite, grads, params, **extra_args)
         else:

@@ -70,10 +70,44 @@ def record_use(scaler: Any) -> ScaleUse | None:
     return use
 
 
-def note_live_call() -> None:
-    """amp scaled a call by a transformation's live scale: its update then knows the gradients were scaled."""
+def note_live_call(live: Any) -> None:
+    """amp scaled a call by `live`, a transformation's live scale: the next update knows whose scale it was."""
     global _calls_since_update
     _calls_since_update += 1
+    _lives_since_update[id(live)] = weakref.ref(live)
+
+
+# The live scales amp calls read since the last update ran, by id (weakly: a
+# transformation dropped with its optimizer is not kept alive here).
+_lives_since_update: dict[int, weakref.ref] = {}
+
+
+def _scaled_by_another_live_scale(live: Any) -> bool:
+    """Whether amp calls since the last update read some other transformation's live scale, and not `live`."""
+    lives = [ref() for ref in _lives_since_update.values()]
+    _lives_since_update.clear()
+    read = [other for other in lives if other is not None]
+    return bool(read) and all(other is not live for other in read)
+
+
+def check_live_use(live: Any) -> None:
+    """Warn where the gradients an update given to amp as ``loss_scale=tx`` receives were scaled by another's scale."""
+    global _calls_since_update
+    _calls_since_update = 0
+    if _scaled_by_another_live_scale(live):
+        _warn_another_live_scale()
+
+
+def _warn_another_live_scale() -> None:
+    warnings.warn(
+        "jaxamp.loss_scaling's update receives gradients that amp scaled by another loss_scaling "
+        "transformation's live scale (amp was given loss_scale=<that transformation>, not this one): "
+        "where they overflowed, amp handed back zeros and set that transformation's flag, so this "
+        "update would apply them as a step and the other would skip its next one. Give each loss the "
+        "transformation that applies its gradients: jaxamp.amp(loss, compute_dtype='f16', loss_scale=tx).",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _trace_id(x: Any) -> int | None:
@@ -81,19 +115,24 @@ def _trace_id(x: Any) -> int | None:
     return None if trace is None else id(trace)
 
 
-def check_scale_use(scaler: Any) -> None:
+def check_scale_use(scaler: Any, live: Any = None) -> None:
     """Warn where the gradients `loss_scaling`'s update receives were not scaled by `scaler`, its own scale.
 
     Where amp was given `scaler`: whether a gradient was taken of what amp
     made. Where it was not: whether amp was given another scale in the same
-    program (a stale or foreign state), or, with no record at all, none.
+    program (a stale or foreign state, or another transformation's live
+    scale: `live` is this one's), or, with no record at all, none.
     """
     global _calls_since_update
     calls, _calls_since_update = _calls_since_update, 0
+    by_another_live_scale = _scaled_by_another_live_scale(live)
     use = _USES.pop(id(scaler), None)
     if use is not None and use.scaler() is scaler:
         if not use.differentiated:
             _warn_never_differentiated()
+        return
+    if by_another_live_scale:
+        _warn_another_live_scale()
         return
     here = _trace_id(scaler)
     if any(u.scaler() is not None and u.trace == here for u in _USES.values()):
