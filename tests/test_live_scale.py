@@ -258,6 +258,24 @@ def test_the_first_step_after_a_restore_overflowing_at_the_initial_scale_keeps_t
     assert np.any(new_w != w) and _scale(opt_state) == 2.0**3
 
 
+def test_inside_multisteps_a_stale_overflow_after_a_restore_skips_its_real_step():
+    w = _params()
+    restored = optax.MultiSteps(jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**3), 2).init(w)
+    tx = optax.MultiSteps(jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**24), 2)  # a new process
+    tx.init(w)
+    step = _stepper(tx, tx)
+    x, y = _batch()
+    # The first micro-batch overflows at the cells' initial 2**24, the second is finite at 2**3.
+    w1, state, _ = step(w, restored, x, y * 300.0)
+    w2, state, _ = step(w1, state, x, y)
+    # Its zeros do not dilute the real step: the step is skipped, the restored scale kept.
+    np.testing.assert_array_equal(w2, w)
+    assert (_scale(state), _skipped(state)) == (2.0**3, 1)
+    w3, state, _ = step(w2, state, x, y)
+    w4, state, _ = step(w3, state, x, y)
+    assert np.any(w4 != w) and (_scale(state), _skipped(state)) == (2.0**3, 1)
+
+
 def test_sharded_parameters_on_an_explicit_mesh():
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4])
     w = jax.device_put(_params(), NamedSharding(mesh, P(None, "data")))

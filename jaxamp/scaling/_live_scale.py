@@ -63,6 +63,8 @@ class LiveScale:
             "overflow": cell(np.bool_(False)),
             # an overflow since the last committed update, as of the last update.
             "window": cell(np.bool_(False)),
+            # that overflow was at a stale scale (it says nothing of the state's).
+            "window_stale": cell(np.bool_(False)),
             # what the last update produced (scale, count, total_resets); -1: none yet.
             "last_scale": cell(np.float32(-1.0)),
             "last_count": cell(np.int32(-1)),
@@ -155,7 +157,9 @@ class LiveScale:
 
         Stale: this is the cells' first update and the scale amp read is not
         the state's, as on the first step after a checkpoint restored the
-        state. An overflow there says nothing of the state's scale.
+        state, or the only overflow is one carried from such a step (inside
+        ``MultiSteps``, to its real step). An overflow there says nothing of
+        the state's scale.
         """
         c = self.cells()
         handed = (
@@ -165,14 +169,17 @@ class LiveScale:
         )
         last = (c["last_scale"][...], c["last_count"][...], c["last_resets"][...])
         kept = jnp.all(jnp.stack([a == b for a, b in zip(handed, last)]))
-        overflow = jnp.where(kept, False, c["window"][...]) | c["overflow"][...]
-        stale = (last[0] < 0) & (c["scale"][...] != handed[0])
-        return overflow, stale
+        carried = jnp.where(kept, False, c["window"][...])
+        fresh = c["overflow"][...]
+        read_stale = (last[0] < 0) & (c["scale"][...] != handed[0])
+        stale = read_stale | (carried & c["window_stale"][...] & ~fresh)
+        return carried | fresh, stale
 
-    def commit(self, overflow: jax.Array, scaler_state: Any) -> None:
-        """The update's end: the window it decided on, the state it made, the scale amp reads next."""
+    def commit(self, overflow: jax.Array, stale: jax.Array, scaler_state: Any) -> None:
+        """The update's end: the window it decided on (stale or not), the state it made, the scale amp reads next."""
         c = self.cells()
         c["window"][...] = overflow
+        c["window_stale"][...] = overflow & stale
         c["overflow"][...] = jnp.array(False)
         c["last_scale"][...] = jnp.asarray(scaler_state.scaler, jnp.float32)
         c["last_count"][...] = jnp.asarray(scaler_state.count, jnp.int32)

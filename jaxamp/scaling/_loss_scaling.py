@@ -278,12 +278,14 @@ def _scaled(
                 step_finite=finite,
             )
         if overflow is not None and stale is not None:
-            # An overflow at a stale scale (the first step after a restore) skips
-            # the step but leaves the restored scale, and the window, as they were.
+            # An overflow at a stale scale (the first step after a restore) leaves
+            # the restored scale as it was, but still skips its step: inside
+            # MultiSteps the window carries it to the real step, whose mean would
+            # otherwise take that micro-batch's zeros.
             moved = new_state.scaler_state
             kept_scale = moved._replace(scaler=state.scaler_state.scaler, count=state.scaler_state.count)
             new_state = new_state._replace(scaler_state=select_tree(stale & overflow, kept_scale, moved))
-            live.commit(overflow & ~stale, new_state.scaler_state)
+            live.commit(overflow, stale, new_state.scaler_state)
         return updates, new_state
 
     update._jaxamp_live_scale = live  # type: ignore[attr-defined]
