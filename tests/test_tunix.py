@@ -219,6 +219,64 @@ def test_grpo_float16_an_overflowing_step_is_skipped_and_the_scale_halved(form):
     assert len(losses) == 3 and np.all(np.isfinite(losses))
 
 
+def ppo_critic_losses(steps: int, precision: str) -> tuple[list, object]:
+    """A PPO learner's critic losses over `steps` steps; actor, reference and critic in `precision`.
+
+    The critic (a score head on the transformer, which sows and pops its hidden
+    states) is wrapped whole; in float16 each optimizer has its own scale,
+    given to the modules it trains.
+    """
+    from tunix.rl.ppo import ppo_learner as ppo_lib
+
+    actor, reference = toy(), toy()
+    critic = tc.ToyTransformerWithScoreHead(tc.ToyTransformer(CONFIG, rngs=nnx.Rngs(2)), rngs=nnx.Rngs(1))
+    actor_optimizer, critic_optimizer = optax.sgd(1e-3), optax.sgd(1e-3)
+    if precision == "f16":
+        actor_optimizer, critic_optimizer = jaxamp.loss_scaling(actor_optimizer), jaxamp.loss_scaling(critic_optimizer)
+        jaxamp.amp_module(actor, reference, compute_dtype="f16", loss_scale=actor_optimizer)
+        jaxamp.amp_module(critic, compute_dtype="f16", loss_scale=critic_optimizer)
+    roles = [rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT]
+    mesh = jax.make_mesh(
+        (1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:1]
+    )
+    config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh=dict.fromkeys([*roles, rl_cluster_lib.Role.CRITIC], mesh),
+        rollout_engine="vanilla",
+        offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=actor_optimizer, critic_optimizer=critic_optimizer, eval_every_n_steps=100, max_steps=steps
+        ),
+        rollout_config=base_rollout.RolloutConfig(
+            max_tokens_to_generate=NEW_TOKENS, max_prompt_length=8, kv_cache_size=CACHE
+        ),
+    )
+    cluster = rl_cluster_lib.RLCluster(
+        actor=actor, reference=reference, critic=critic, tokenizer=VOCAB, cluster_config=config
+    )
+    learner = ppo_lib.PPOLearner(
+        rl_cluster=cluster,
+        reward_fns=lambda prompts, completions, **kwargs: [float(len(c)) for c in completions],
+        ppo_config=ppo_lib.PPOConfig(),
+    )
+    train_grpo(learner, steps=steps)
+    trainer = cluster.critic_trainer
+    return trainer.metrics_logger.get_metric_history("critic", "loss", "train"), trainer
+
+
+def test_ppo_float16_actor_and_critic_each_with_its_own_scale():
+    plain, _ = ppo_critic_losses(2, "f32")
+    losses, critic = ppo_critic_losses(6, "f16")
+    assert type(critic.model).__name__ == "AmpToyTransformerWithScoreHead"
+    # The critic's value loss (about 340) times 2**15 overflows float16: its
+    # first steps are skipped, the scale halving each time, then it trains as
+    # float32 did, late by the skipped steps.
+    loss_scale, skipped = scale(critic)
+    assert 1 <= skipped <= 4 and loss_scale == 2.0 ** (15 - skipped)
+    # The critic stands still while skipped (its loss moves only with the rollouts the actor samples).
+    np.testing.assert_allclose(losses[: skipped + 1], losses[0], rtol=1e-5)
+    np.testing.assert_allclose(losses[skipped : skipped + 2], plain, rtol=1e-3)
+
+
 def sft_batches(steps: int) -> list[dict]:
     tokens = jnp.array([[1, 7, 8, 9, 10, 11, 12, 2], [1, 5, 6, 9, 14, 15, 2, 0]])
     mask = tokens != 0
