@@ -223,3 +223,59 @@ def test_loss_scale_on_the_module_scales_its_backward_and_skips_an_overflow():
         np.testing.assert_array_equal(got, kept)
     metrics = jaxamp.scaling.scale_metrics(optimizer.opt_state)
     assert (float(metrics["loss_scale"]), int(metrics["skipped_steps"])) == (2.0**14, 1)
+
+
+class Sowing(nnx.Module):
+    """Mlp that sows its hidden activations (a critic's or a probe's hidden states)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear1 = nnx.Linear(16, 32, rngs=rngs)
+        self.linear2 = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.linear1(x))
+        self.sow(nnx.Intermediate, "hidden", h)
+        return self.linear2(h)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_nnx_capture_returns_what_the_module_sowed(dtype, jit):
+    # nnx.capture hands Module.sow a dict it fills in place: amp carries it back
+    # (it returned an empty State, without a word, before).
+    model, plain = jaxamp.amp_module(Sowing(nnx.Rngs(0)), compute_dtype=dtype), Sowing(nnx.Rngs(0))
+
+    def forward(m, x):
+        return nnx.capture(m, nnx.Intermediate)(x)
+
+    out, sown = (nnx.jit(forward) if jit else forward)(model, X)
+    want_out, want_sown = forward(plain, X)
+    assert set(sown) == {"hidden"}
+    assert_close((out, sown["hidden"].get_value()), (want_out, want_sown["hidden"].get_value()), dtype)
+
+
+def test_nnx_capture_under_a_loss_scale_keeps_the_sown_values_of_a_skipped_step():
+    tx = jaxamp.loss_scaling(optax.sgd(1e-2))
+    model = jaxamp.amp_module(Sowing(nnx.Rngs(0)), compute_dtype="f16", loss_scale=tx)
+    plain = Sowing(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    def loss(model, x, boost):
+        out, sown = nnx.capture(model, nnx.Intermediate)(x)
+        return jnp.mean(out**2) * boost, sown
+
+    @nnx.jit
+    def step(model, optimizer, x, boost):
+        (_, sown), grads = nnx.value_and_grad(loss, has_aux=True)(model, x, boost)
+        optimizer.update(model, grads)
+        return sown, grads
+
+    (_, want_sown), want = nnx.value_and_grad(loss, has_aux=True)(plain, X[0], 1.0)
+    sown, grads = step(model, optimizer, X[0], 1.0)
+    assert_close((grads, sown["hidden"].get_value()), (want, want_sown["hidden"].get_value()), "f16")
+    before = [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    sown, _ = step(model, optimizer, X[0], 1e9)  # overflows: the step is skipped, the forward's values still sown
+    for got, kept in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), before, strict=True):
+        np.testing.assert_array_equal(got, kept)
+    assert int(jaxamp.scaling.scale_metrics(optimizer.opt_state)["skipped_steps"]) == 1
+    assert_close(sown["hidden"].get_value(), want_sown["hidden"].get_value(), "f16")

@@ -145,6 +145,7 @@ class GraphCall:
         args, kwargs = _replace_markers((args, kwargs), lambda m: copies[m.index])
         _, before = _compat.nnx_flatten(copies)
         before_values = [_compat.nnx_raw_value(leaf) for _, leaf in before]
+        before_contents = [_contents(value) for value in before_values]
         try:
             with module_scopes(copies):
                 out = self._fn(*args, **kwargs)
@@ -160,9 +161,13 @@ class GraphCall:
         graphdef, after = _compat.nnx_flatten(copies)
         if graphdef != self._graphdef:
             raise self._structure_error(before.paths, after.paths)
-        # A value fn did not replace is the very object merged in: nnx.jit's test.
+        # A value fn did not replace is the very object merged in (nnx.jit's
+        # test), with the same contents where it is a container fn may fill in
+        # place (the dicts `nnx.capture` hands `Module.sow`).
         changed = [
-            (path, leaf) for (path, leaf), old in zip(after, before_values) if _compat.nnx_raw_value(leaf) is not old
+            (path, leaf)
+            for (path, leaf), old, contents in zip(after, before_values, before_contents)
+            if (value := _compat.nnx_raw_value(leaf)) is not old or _contents(value) != contents
         ]
         self._changed_paths = [path for path, _ in changed]
         out, created = self._export(out, copies)
@@ -181,12 +186,19 @@ class GraphCall:
         """`fn`'s `updates` where `keep` is true, else the values `before` them.
 
         A loss scaler that skips a step commits no module state this way.
-        Called after `fn` was traced (which records the changed paths).
+        Called after `fn` was traced (which records the changed paths). A value
+        whose shape fn changed (a dict `Module.sow` filled under
+        `nnx.capture`) had nothing of that shape before: it is kept as
+        computed, an observation of the forward pass rather than state.
         """
         kept = []
         for path, update in zip(self._changed_paths, updates):
-            (new,), treedef = jax.tree_util.tree_flatten(update)
-            kept.append(jax.tree_util.tree_unflatten(treedef, [jax.lax.select(keep, new, before[path])]))
+            new, treedef = jax.tree_util.tree_flatten(update)
+            old = jax.tree_util.tree_leaves(before[path])
+            if [jax.numpy.shape(x) for x in new] != [jax.numpy.shape(x) for x in old]:
+                kept.append(update)
+                continue
+            kept.append(jax.tree_util.tree_unflatten(treedef, [jax.lax.select(keep, n, o) for n, o in zip(new, old)]))
         return kept
 
     @property
@@ -286,6 +298,14 @@ class GraphCall:
         # Graph paths start at the index of the object among the call's nnx objects.
         index, *rest = path
         return self._names[index] + "".join(f".{key}" if isinstance(key, str) else f"[{key!r}]" for key in rest)
+
+
+def _contents(value: Any) -> Any:
+    """What a container value holds (its structure and the identity of its leaves); None for other values."""
+    if not isinstance(value, (dict, list)):
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef, [id(leaf) for leaf in leaves]
 
 
 def _call_object(obj: Any, *args: Any, **kwargs: Any) -> Any:
