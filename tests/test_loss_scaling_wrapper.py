@@ -7,6 +7,8 @@ combinators (chain, MultiSteps, inject_hyperparams) and Orbax.
 """
 
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -327,3 +329,32 @@ def test_under_pmap_without_axis_name_the_update_asks_for_it():
     step = jax.pmap(lambda g, s, p: optimizer.update(g, s, p), axis_name="batch")
     with pytest.raises(ValueError, match=r"jaxamp.loss_scaling runs per device.*Pass axis_name='batch'"):
         step(replicate(_grads()), replicate(optimizer.init(params)), replicate(params))
+
+
+# A driver that wraps a framework's optimizer (or its factory) at import, before
+# the framework calls jax.distributed.initialize (MaxText does, in train.main).
+_BUILT_BEFORE_INITIALIZE = """
+import socket
+import jax, optax
+import jaxamp
+tx = jaxamp.loss_scaling(optax.adam(1e-3), scaler=2.0**12)
+factory = jaxamp.scaling.loss_scaling_factory(lambda: optax.adam(1e-3))
+with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+jax.distributed.initialize(f"localhost:{port}", num_processes=1, process_id=0)
+print(float(tx.init({"w": jax.numpy.ones(2)}).scale), float(factory().init({"w": jax.numpy.ones(2)}).scale))
+"""
+
+
+def test_building_loss_scaling_starts_no_jax_backend():
+    done = subprocess.run([sys.executable, "-c", _BUILT_BEFORE_INITIALIZE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["4096.0", "32768.0"]
+
+
+def test_a_bad_setting_is_still_refused_before_any_array_is_made():
+    with pytest.raises(ValueError, match="scaler must be >= min_scaler"):
+        jaxamp.loss_scaling(optax.sgd(0.1), scaler=0.5, min_scaler=1.0)
+    with pytest.raises(TypeError, match="patience must be an int"):
+        jaxamp.loss_scaling(optax.sgd(0.1), patience=2.5)

@@ -16,6 +16,7 @@ the rule shared with the other scalers (`jaxamp.scaling._scale_schedule.next_sca
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -74,9 +75,9 @@ _FIELD_RULES: dict[str, tuple[Any, float, bool]] = {
 }
 
 
-def _check_field(name: str, value: Any) -> jax.Array:
+def _check_field(name: str, value: Any, host: bool = False) -> jax.Array:
     dtype, lower, inclusive = _FIELD_RULES[name]
-    return checked_scalar(f"DynamicScalerState {name}", value, dtype, lower=lower, inclusive=inclusive)
+    return checked_scalar(f"DynamicScalerState {name}", value, dtype, lower=lower, inclusive=inclusive, host=host)
 
 
 class DynamicScalerState(_Fields):
@@ -126,14 +127,33 @@ class DynamicScalerState(_Fields):
         max_scaler: Any = 2.0**24,
     ) -> DynamicScalerState:
         values = (patience, adjust_factor, scaler, count, total_resets, min_scaler, max_scaler)
-        state = tuple.__new__(cls, tuple(_check_field(name, value) for name, value in zip(cls._fields, values)))
-        check_scale_bounds(
-            "DynamicScalerState",
-            ("scaler", state.scaler),
-            ("min_scaler", state.min_scaler),
-            ("max_scaler", state.max_scaler),
-        )
-        return state
+        return _validated(values, host=False)
+
+
+def _validated(values: tuple, host: bool) -> DynamicScalerState:
+    """`DynamicScalerState` of `values` (one per field, in order), each checked; see `checked_scalar`'s `host`."""
+    fields = DynamicScalerState._fields
+    state = tuple.__new__(DynamicScalerState, tuple(_check_field(n, v, host) for n, v in zip(fields, values)))
+    check_scale_bounds(
+        "DynamicScalerState",
+        ("scaler", state.scaler),
+        ("min_scaler", state.min_scaler),
+        ("max_scaler", state.max_scaler),
+    )
+    return state
+
+
+def host_scaler_state(**fields: Any) -> DynamicScalerState:
+    """``DynamicScalerState(**fields)``, its Python and numpy values kept as numpy scalars.
+
+    Validated as the class validates, without making a device array: an
+    optimizer built before `jax.distributed.initialize` (a driver that patches a
+    framework's optimizer factory at import) must not start JAX's backends.
+    """
+    # The class's own signature: its defaults, and a TypeError naming an unknown field.
+    bound = inspect.signature(DynamicScalerState.__new__).bind(DynamicScalerState, **fields)
+    bound.apply_defaults()
+    return _validated(tuple(bound.arguments[name] for name in DynamicScalerState._fields), host=True)
 
 
 def _flatten_with_keys(state: DynamicScalerState):

@@ -276,7 +276,9 @@ def _concrete(value: Any) -> np.ndarray | None:
         return None
 
 
-def checked_scalar(what: str, value: Any, dtype: Any, *, lower: float, inclusive: bool = True) -> jax.Array:
+def checked_scalar(
+    what: str, value: Any, dtype: Any, *, lower: float, inclusive: bool = True, host: bool = False
+) -> jax.Array:
     """Validate a user-given scale or counter and return it as a `dtype` scalar array.
 
     Scaler state must have fixed dtypes to be carried through `jit` and
@@ -291,6 +293,8 @@ def checked_scalar(what: str, value: Any, dtype: Any, *, lower: float, inclusive
         dtype: the dtype to store, e.g. ``jnp.float32`` or ``jnp.int32``.
         lower: the smallest allowed value.
         inclusive: whether `lower` itself is allowed.
+        host: keep a Python or numpy `value` on the host, as a numpy scalar:
+            no device array is made, so JAX's backends are not started.
 
     Returns:
         A 0-d array of `dtype`.
@@ -320,6 +324,8 @@ def checked_scalar(what: str, value: Any, dtype: Any, *, lower: float, inclusive
         if not (np.isfinite(concrete) and in_range):
             bound = ">=" if inclusive else ">"
             raise ValueError(f"{what} must be finite and {bound} {lower}, got {value!r}.")
+    if host and not isinstance(value, jax.Array):
+        return np.asarray(value, dtype=dtype)  # type: ignore[return-value]  # an array all the same
     return jnp.asarray(value, dtype=dtype)
 
 

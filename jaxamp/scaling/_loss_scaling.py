@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .. import _compat
 from .._dtypes import array_part
-from ._dynamic_scaler import DynamicScalerState, next_scaler_state
+from ._dynamic_scaler import DynamicScalerState, host_scaler_state, next_scaler_state
 from ._finite import AxisName, check_axis_name, select_tree
 from ._live_scale import LiveScale
 from ._optax import check_optimizer, gradients_finite, update_if_finite
@@ -217,7 +218,7 @@ def _schedule(
     axis_name = check_axis_name(axis_name, "jaxamp.loss_scaling")
     # Validated once here, by the class both paths share; the messages name
     # its fields, which are these keywords.
-    initial = DynamicScalerState(
+    initial = host_scaler_state(
         patience=patience,
         adjust_factor=adjust_factor,
         scaler=scaler,
@@ -230,8 +231,10 @@ def _schedule(
     # array made out here would be a closed-over input, which JAX rejects),
     # fresh per call, so the state can be donated to a jit'd step.
     initial = jax.tree_util.tree_map(_as_numpy_if_concrete, initial)
-    # Its cells need the initial scale as a number, and no enclosing trace.
-    live = LiveScale(initial.scaler if isinstance(initial.scaler, np.ndarray) else None)
+    # Its cells need the initial scale as a number, and no enclosing trace: a
+    # transformation made inside a jitted step would not outlive it.
+    concrete = isinstance(initial.scaler, np.ndarray) and not _compat.staging()
+    live = LiveScale(initial.scaler if concrete else None)
     return initial, axis_name, live
 
 
