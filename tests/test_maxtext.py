@@ -18,6 +18,8 @@ gradient norms read NaN.
 import json
 import math
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -46,24 +48,8 @@ def write_metrics(self, metrics, step, metric_type="train"):
         records.append({k: float(v) for k, v in metrics["scalar"].items()})
     return _write(self, metrics, step, metric_type)
 metric_logger.MetricLogger.write_metrics = write_metrics
-if mode == "f16":  # the scale and both kinds of skipped step where MaxText logs (docs/porting.md)
-    import jax.numpy as jnp
-    from flax import nnx
-    _train_step = train.train_step
-    def train_step(model, *args, **kwargs):
-        state, metrics = _train_step(model, *args, **kwargs)
-        opt_state = nnx.merge(model, state).optimizer.opt_state
-        scale = jaxamp.scaling.scale_metrics(opt_state)
-        overflowed = jnp.logical_not(scale["last_step_finite"])
-        spiked = jnp.asarray(opt_state.inner_state["is_skipped"]) if "is_skipped" in opt_state.inner_state else False
-        scalar = metrics["scalar"]
-        scalar.update({f"optim/{k}": v for k, v in scale.items()})
-        scalar["optim/step_skipped"] = jnp.logical_or(overflowed, spiked).astype(jnp.float32)
-        for norm in ("learning/grad_norm", "learning/raw_grad_norm"):
-            if norm in scalar:
-                scalar[norm] = jnp.where(overflowed, jnp.nan, scalar[norm])
-        return state, metrics
-    train.train_step = train_step
+if mode == "f16":  # docs/porting.md's wrapper: the scale and both kinds of skipped step where MaxText logs
+    exec(sys.argv[4])
 config = os.path.join(os.path.dirname(maxtext.__file__), "configs", "decoupled_base_test.yml")
 train.main([
     "train", config, f"run_name=tiny_{mode}", f"base_output_directory={out}", "dataset_type=synthetic",
@@ -84,10 +70,19 @@ print("RESULT", json.dumps({
 """
 
 
+def _metrics_wrapper() -> str:
+    """docs/porting.md's block that wraps ``train.train_step``, run as the docs give it."""
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "porting.md").read_text()
+    (block,) = [
+        b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if "_train_step = train.train_step" in b
+    ]
+    return block
+
+
 def _run(mode, tmp_path):
     env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "PYTHONPATH": os.getcwd()}
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER, mode, str(tmp_path / mode), str(STEPS)],
+        [sys.executable, "-c", DRIVER, mode, str(tmp_path / mode), str(STEPS), _metrics_wrapper()],
         capture_output=True,
         text=True,
         timeout=600,
