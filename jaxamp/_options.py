@@ -85,6 +85,7 @@ class AmpOptions:
         keep_state: Callable[[Any, list], Any] | None = None,
         around_custom_vjp: Any = None,
         cotangent_scale: Any = None,
+        check_program: Callable[[Any], None] | None = None,
     ) -> Any:
         """Trace ``fn(*args, **kwargs)`` and evaluate it under amp.
 
@@ -111,9 +112,14 @@ class AmpOptions:
         `cotangent_scale`: the scalar the backward pass multiplies the
         program's cotangents by (a loss scale applied around this call), or
         None; rules read it from the site state (`SiteState.cotangent_scale`).
+
+        `check_program`: called with the traced program (a closed jaxpr) before
+        it is evaluated; loss scaling warns there about what it cannot scale.
         """
         with _collection_paused():
             closed, flat_args, num_outs, rebuild, _ = _trace(fn, args, kwargs, keep_state)
+            if check_program is not None:
+                check_program(closed)
             if wrap_inputs is not None:
                 flat_args, consts = wrap_inputs(list(flat_args), list(closed.consts))
                 closed = _compat.ClosedJaxpr(closed.jaxpr, consts)

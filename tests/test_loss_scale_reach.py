@@ -191,20 +191,25 @@ _REFUSED = {
         {"a": jaxamp.loss_scaling(optax.sgd(0.1)), "b": optax.sgd(0.1)}, {"w": "a", "v": "b"}
     ),
     "inside MultiSteps": optax.MultiSteps(jaxamp.loss_scaling(optax.sgd(0.1)), 2),
+    "inside apply_if_finite": optax.apply_if_finite(jaxamp.loss_scaling(optax.sgd(0.1)), 5),
 }
+# What each refusal names: the placement, then the order that works.
 _PLACEMENT_WORDS = {
     "a chain with a transformation after it": "transformations after it",
     "a chain after a stateful transformation": "after a stateful transformation",
     "one partition of multi_transform": "one partition of optax.multi_transform",
-    "inside MultiSteps": "inside optax.MultiSteps",
+    "inside MultiSteps": r"inside optax.MultiSteps.*loss_scaling\(optax.MultiSteps\(opt, k\)\).*loss_scale=tx.*amp_module",
+    "inside apply_if_finite": r"inside optax.apply_if_finite.*would not shrink.*drop apply_if_finite",
 }
+_WHOLE = {"inside MultiSteps": "", "inside apply_if_finite": ""}
 
 
 @pytest.mark.parametrize("placement", sorted(_REFUSED))
-def test_a_placement_where_a_skipped_step_would_commit_state_is_refused(placement):
+def test_a_placement_where_a_skipped_step_would_not_be_clean_is_refused_naming_what_works(placement):
     params = {"w": _params(), "v": _params()}
     state = _REFUSED[placement].init(params)
-    with pytest.raises(ValueError, match=f"{_PLACEMENT_WORDS[placement]}.*Wrap the whole optimizer"):
+    works = _WHOLE.get(placement, ".*Wrap the whole optimizer")
+    with pytest.raises(ValueError, match=f"{_PLACEMENT_WORDS[placement]}{works}"):
         jaxamp.amp(lambda p: jnp.sum(p["w"]), compute_dtype="f16", loss_scale=state)
 
 

@@ -109,7 +109,9 @@ def low_precision_params(
             compensation = jax.tree.map(lambda p: optax.MaskedNode() if p.dtype == _F32 else jnp.zeros_like(p), params)
         return LowPrecisionParamsState(inner.init(_upcast(params)), compensation, key)
 
-    def update(grads, state: LowPrecisionParamsState, params=None, **extra_args):
+    def update(updates, state: LowPrecisionParamsState, params=None, **extra_args):
+        # Named as optax's protocol names them: frameworks call update(updates=..., state=..., params=...).
+        grads = updates
         if params is None:
             raise ValueError(f"{owner} computes each new value from the parameters: call update(grads, state, params).")
         params = array_part(params)

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from .. import _compat
+from .._jaxpr import bodies
 from ._backward_scale import scaling_backward
 from ._dynamic_scaler import DynamicScalerState
 from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, on_every_device, select_tree
@@ -38,7 +39,7 @@ __all__ = [
     "as_loss_scale",
     "keep_returned_state",
     "scale_on_backward",
-    "unscale_all_on_backward",
+    "unscale_checked_on_backward",
     "unscale_on_backward",
 ]
 
@@ -100,59 +101,57 @@ _scale_and_mark.defvjp(_mark_fwd, _mark_bwd)
 
 
 @jax.custom_vjp
-def unscale_all_on_backward(values: list, scale: jax.Array) -> list:
-    """`values`, whose cotangents are divided by `scale`, all NaN where any is not finite.
+def unscale_checked_on_backward(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x`, whose cotangent is divided by `scale`, all NaN where any of its elements is not finite.
 
-    The one place the gradients leave the scaled backward pass: what the
-    program differentiated reaches (its arguments, the values it closes
-    over) gets true-scale cotangents, decided finite or not once, for all
-    of them. A non-finite step's gradients are NaN throughout, so an
-    elementwise clip or cast between amp and the optimizer (``jnp.clip``
-    turns an inf into its bound) cannot hide the overflow from the update.
+    Where the gradients leave the scaled backward pass, one identity per
+    value the program differentiates (its arguments, the values it closes
+    over): each cotangent depends on its own value alone, so under `jax.vmap`
+    a value shared by the batch (``in_axes=None``, closed over) gets its
+    cotangent summed over the batch once, not once per example. A non-finite
+    cotangent is NaN throughout, so an elementwise clip or cast between amp
+    and the optimizer (``jnp.clip`` turns an inf into its bound) cannot hide
+    the overflow from the update.
     """
-    return values
+    return x
 
 
-def _unscale_all_fwd(values, scale):
-    return values, scale
+def _unscale_checked_bwd(scale, g):
+    # Decided on every device: inside a shard_map the cotangent of a
+    # replicated value must stay replicated, and every device skips alike.
+    finite = forward_finite(g)
+    true_scale = _unscale_bwd(scale, g)[0]
+    return jnp.where(finite, true_scale, jnp.full_like(true_scale, jnp.nan)), jnp.zeros_like(scale)
 
 
-def _unscale_all_bwd(scale, cts):
-    # One decision for every device: inside a shard_map the cotangents of
-    # replicated values must stay replicated, and every device skips alike.
-    finite = forward_finite(cts)
-    unscaled = []
-    for g in cts:
-        true_scale = _unscale_bwd(scale, g)[0]
-        unscaled.append(jnp.where(finite, true_scale, jnp.full_like(true_scale, jnp.nan)))
-    return unscaled, jnp.zeros_like(scale)
-
-
-unscale_all_on_backward.defvjp(_unscale_all_fwd, _unscale_all_bwd)
+unscale_checked_on_backward.defvjp(_scale_fwd, _unscale_checked_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def unscale_all_live(values: list, scale: jax.Array, live: LiveScale) -> list:
-    """`unscale_all_on_backward` for a live scale: zeros where any cotangent is not finite, and `live` told.
+def unscale_checked_live(x: jax.Array, scale: jax.Array, live: LiveScale) -> jax.Array:
+    """`unscale_checked_on_backward` for a live scale: zeros where the cotangent is not finite, and `live` told.
 
     Zeros, not NaN: optax's ``MultiSteps`` keeps a NaN in its accumulator for
     good; the update skips the step by the flag instead.
     """
-    return values
+    return x
 
 
-def _unscale_live_fwd(values, scale, live):
-    return values, scale
+def _unscale_live_fwd(x, scale, live):
+    return x, scale
 
 
-def _unscale_live_bwd(live, scale, cts):
-    finite = forward_finite(cts)
+def _unscale_live_bwd(live, scale, g):
+    # Noted where the backward pass is traced: a forward-only call (an eval)
+    # scaled no gradient an update could receive.
+    note_live_call(live)
+    finite = forward_finite(g)
     live.mark_overflow(finite)
-    unscaled = [_unscale_bwd(scale, g)[0] for g in cts]
-    return [jnp.where(finite, g, jnp.zeros_like(g)) for g in unscaled], jnp.zeros_like(scale)
+    true_scale = _unscale_bwd(scale, g)[0]
+    return jnp.where(finite, true_scale, jnp.zeros_like(true_scale)), jnp.zeros_like(scale)
 
 
-unscale_all_live.defvjp(_unscale_live_fwd, _unscale_live_bwd)
+unscale_checked_live.defvjp(_unscale_live_fwd, _unscale_live_bwd)
 
 
 def _is_scalable(x: Any) -> bool:
@@ -168,8 +167,8 @@ class LossScaling:
     The scale's one way through a call: find it in what amp was given (and
     refuse an optimizer placement whose skipped step would commit state),
     wrap everything the program differentiates, its arguments and the values
-    it closes over, in one identity whose backward unscales and decides
-    finiteness once (`unscale_all_on_backward`), scale the outputs'
+    it closes over, in identities whose backward unscales and decides
+    finiteness (`unscale_checked_on_backward`), scale the outputs'
     cotangents (`scale_on_backward`), hand custom_vjp rules true-scale
     cotangents (`around_custom_vjp`), and keep module state where the forward
     pass was not finite (`keep_returned_state`).
@@ -182,6 +181,15 @@ class LossScaling:
         self.from_state = not scalar and _holds_scale_state(loss_scale)
         if self.live is not None and not self.from_state:
             self.live.attach()  # the only scale amp was given
+        elif self.live is None and _built_per_step(loss_scale):
+            raise ValueError(
+                "amp's loss_scale is an optax.inject_hyperparams transformation, which builds the "
+                "optimizer it wraps anew at every init and update: a jaxamp.loss_scaling built there "
+                "keeps no scale between steps for amp to read. Put the wrapper outside: "
+                "tx = jaxamp.loss_scaling(optax.inject_hyperparams(optax.adamw)(learning_rate=...)), "
+                "hand tx to the framework and give amp the same tx (or give amp the optimizer state, "
+                "loss_scale=opt_state)."
+            )
         elif self.live is None and isinstance(loss_scale, optax.GradientTransformation):
             raise ValueError(
                 "amp's loss_scale is an optax transformation that holds no jaxamp.loss_scaling: there is "
@@ -228,13 +236,12 @@ class LossScaling:
                 "or use reverse mode (jax.grad, jax.jacrev)."
             )
         scale_outputs: Any = scale_on_backward
-        unscale_inputs: Any = unscale_all_on_backward
+        unscale_inputs: Any = unscale_checked_on_backward
         if self._reads_live():
             assert self.live is not None
             self.live.attach()
             scale = self.live.read_scale()
-            note_live_call(self.live)
-            unscale_inputs = functools.partial(unscale_all_live, live=self.live)
+            unscale_inputs = functools.partial(unscale_checked_live, live=self.live)
         else:
             if self.live is not None:
                 # Read from the state, the placements the live scale allows are not all allowed.
@@ -257,9 +264,8 @@ class LossScaling:
             chosen = [
                 i for i, v in enumerate(values) if _is_scalable(v) and (i < len(args) or isinstance(v, jax.core.Tracer))
             ]
-            if chosen:
-                for i, wrapped in zip(chosen, unscale_inputs([values[i] for i in chosen], scale)):
-                    values[i] = wrapped
+            for i in chosen:
+                values[i] = unscale_inputs(values[i], scale)
             return values[: len(args)], values[len(args) :]
 
         hooks = {
@@ -267,6 +273,7 @@ class LossScaling:
             "wrap_outputs": lambda flat: [scale_outputs(v, scale) if _is_scalable(v) else v for v in flat],
             "keep_state": lambda out, updates: forward_finite((loss_leaves(out), updates)),
             "around_custom_vjp": _CustomVJPScaling(scale),
+            "check_program": warn_if_differentiated_inside,
         }
         token = _SCALING.set(True)
         try:
@@ -309,6 +316,40 @@ class _CustomVJPScaling:
         return _CustomVJPScaling(self.scale, unreachable_in=where)
 
 
+def warn_if_differentiated_inside(program: Any) -> None:
+    """Warn where the traced program holds a backward pass: the function amp wraps takes its gradient itself.
+
+    ``amp(jax.grad(loss), loss_scale=...)`` (or amp of an
+    ``eqx.filter_value_and_grad``-decorated loss): the loss scale reaches
+    only a backward pass taken *of* amp's function, so this one runs in half
+    precision unscaled and small gradients flush to zero. Said here, when the
+    program is traced, so a gradient jitted apart from the update is caught too.
+    """
+    if any(_compat.eqn_transposed(eqn) for eqn in _equations(program.jaxpr)):
+        warnings.warn(
+            "jaxamp.amp(..., loss_scale=...) wraps a function that takes a gradient itself (its traced "
+            "program holds a backward pass): the loss scale reaches only a gradient taken of the function "
+            "amp makes, so this backward pass runs in half precision unscaled, and small gradients flush "
+            "to zero. Put amp inside the gradient: jax.value_and_grad(jaxamp.amp(loss, compute_dtype='f16', "
+            "loss_scale=opt_state)).",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _equations(jaxpr: Any) -> Any:
+    """Every equation of `jaxpr`, those of the bodies it calls included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for body in bodies(eqn):
+            yield from _equations(getattr(body, "jaxpr", body))
+
+
+def _built_per_step(tx: Any) -> bool:
+    """Whether `tx` is an ``optax.inject_hyperparams`` transformation (it builds its inner one per call)."""
+    return "inject_hyperparams" in getattr(getattr(tx, "update", None), "__qualname__", "")
+
+
 def _holds_scale_state(tree: Any) -> bool:
     """Whether `tree` holds a `LossScaleState` or `DynamicScalerState` among its pytree nodes."""
     return any(is_scale_state(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_scale_state))
@@ -325,7 +366,7 @@ def _warn_unscaled_rule(what: str) -> None:
 
 
 def check_placement(tree: Any, live: bool = False) -> None:
-    """Raise where the `LossScaleState` in `tree` sits where a skipped step would still commit state.
+    """Raise where the `LossScaleState` in `tree` sits where a skipped step would not be a clean skip.
 
     Its zero updates and kept state make a skipped step a no-op only where
     the wrapper owns the whole update: transformations after it in an
@@ -334,6 +375,8 @@ def check_placement(tree: Any, live: bool = False) -> None:
     ``optax.multi_transform`` or ``optax.masked`` would take the NaN
     gradients, and ``optax.MultiSteps`` around it keeps a NaN in its
     accumulator (it resets it by multiplying by 0) for every later step.
+    ``optax.apply_if_finite`` around it puts the wrapper's state back on a
+    non-finite step, so the scale would not shrink.
 
     Raises:
         ValueError: naming the placement and the order that works.
@@ -349,31 +392,54 @@ def check_placement(tree: Any, live: bool = False) -> None:
     for key in paths[0]:
         problem = _placement_problem(node, key, live)
         if problem:
-            raise ValueError(
-                f"amp's loss_scale holds jaxamp.loss_scaling's state {problem}, so a skipped "
-                "(non-finite) step would still change the parameters or the optimizer state. Wrap "
-                "the whole optimizer instead: jaxamp.loss_scaling(optax.chain(...)), "
-                "jaxamp.loss_scaling(optax.multi_transform(...)), "
-                "jaxamp.loss_scaling(optax.MultiSteps(opt, k)) (docs/loss_scaling.md, placements)."
-            )
+            raise ValueError(f"amp's loss_scale holds jaxamp.loss_scaling's state {problem}")
         node = _child(node, key)
         if node is None:
             return
 
 
+_WRAP_WHOLE = (
+    "so a skipped (non-finite) step would still change the parameters or the optimizer state. Wrap the "
+    "whole optimizer instead: jaxamp.loss_scaling(optax.chain(...)), jaxamp.loss_scaling(optax.multi_transform"
+    "(...)), jaxamp.loss_scaling(optax.MultiSteps(opt, k)) (docs/loss_scaling.md, placements)."
+)
+
+
 def _placement_problem(node: Any, key: Any, live: bool) -> str | None:
+    """What is wrong with the wrapper's state at `key` of `node`, and what works; None where nothing is."""
+    name = getattr(key, "name", None)
     # A live scale's overflow leaves zeros, not NaN, in MultiSteps' accumulator.
-    if not live and isinstance(node, optax.MultiStepsState) and getattr(key, "name", None) == "inner_opt_state":
-        return "inside optax.MultiSteps (whose accumulator keeps a NaN micro-batch for every later step)"
+    if not live and isinstance(node, optax.MultiStepsState) and name == "inner_opt_state":
+        return (
+            "inside optax.MultiSteps, whose accumulator keeps a NaN micro-batch for every later step. "
+            "Wrap the accumulator, jaxamp.loss_scaling(optax.MultiSteps(opt, k)); where a framework "
+            "builds the MultiSteps around your optimizer (Tunix's gradient_accumulation_steps), give "
+            "amp the transformation instead of its state: jaxamp.amp(loss, compute_dtype='f16', "
+            "loss_scale=tx), or jaxamp.amp_module(model, compute_dtype='f16', loss_scale=optimizer) "
+            "for a flax nnx model (docs/loss_scaling.md, placements)."
+        )
+    # Nor does apply_if_finite see a live scale's overflow: it takes the zeros as finite.
+    if not live and isinstance(node, optax.ApplyIfFiniteState) and name == "inner_state":
+        return (
+            "inside optax.apply_if_finite, which puts the wrapper's state back on a non-finite step: the "
+            "loss scale would not shrink until max_consecutive_errors overflows in a row, and every step "
+            "at the overflowing scale would be skipped. jaxamp.loss_scaling skips a non-finite step "
+            "itself: drop apply_if_finite, or put it inside, jaxamp.loss_scaling(optax.apply_if_finite"
+            "(opt, k)) (docs/loss_scaling.md, placements)."
+        )
     if isinstance(node, optax.MultiTransformState):
-        return "in one partition of optax.multi_transform (the others would take the non-finite gradients)"
+        return "in one partition of optax.multi_transform (the others would take the non-finite gradients), " + (
+            _WRAP_WHOLE
+        )
     if isinstance(node, optax.MaskedState):
-        return "inside optax.masked (the parameters it leaves out would take the non-finite gradients)"
+        return "inside optax.masked (the parameters it leaves out would take the non-finite gradients), " + (
+            _WRAP_WHOLE
+        )
     if type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey):
         if key.idx + 1 < len(node):
-            return "inside an optax.chain with transformations after it (they would still step)"
+            return "inside an optax.chain with transformations after it (they would still step), " + _WRAP_WHOLE
         if any(jax.tree_util.tree_leaves(sibling) for sibling in node[: key.idx]):
-            return "inside an optax.chain after a stateful transformation (its state would advance)"
+            return "inside an optax.chain after a stateful transformation (its state would advance), " + _WRAP_WHOLE
     return None
 
 

@@ -52,34 +52,46 @@ class LiveScale:
         # start JAX's backends.
         self._cells: dict[str, Any] | None = None
 
+    def _initial_values(self) -> dict[str, np.ndarray]:
+        return {
+            "scale": np.float32(self.initial_scale),
+            # amp's backward overflowed since the last update read the flag.
+            "overflow": np.bool_(False),
+            # an overflow since the last committed update, as of the last update.
+            "window": np.bool_(False),
+            # that overflow was at a stale scale (it says nothing of the state's).
+            "window_stale": np.bool_(False),
+            # what the last update produced (scale, count, total_resets); -1: none yet.
+            "last_scale": np.float32(-1.0),
+            "last_count": np.int32(-1),
+            "last_resets": np.int32(-1),
+        }
+
     def _make(self, sharding: Any) -> dict[str, Any]:
         def cell(value: Any) -> Any:
             value = np.asarray(value)
             return jax.new_ref(value if sharding is None else jax.device_put(value, sharding))
 
-        return {
-            "scale": cell(np.float32(self.initial_scale)),
-            # amp's backward overflowed since the last update read the flag.
-            "overflow": cell(np.bool_(False)),
-            # an overflow since the last committed update, as of the last update.
-            "window": cell(np.bool_(False)),
-            # that overflow was at a stale scale (it says nothing of the state's).
-            "window_stale": cell(np.bool_(False)),
-            # what the last update produced (scale, count, total_resets); -1: none yet.
-            "last_scale": cell(np.float32(-1.0)),
-            "last_count": cell(np.int32(-1)),
-            "last_resets": cell(np.int32(-1)),
-        }
+        return {name: cell(value) for name, value in self._initial_values().items()}
 
     def place_like(self, params: Any) -> None:
-        """Remake the cells replicated over the mesh `params` live on (eagerly, at the optimizer's init).
+        """Reset the cells to the initial scale, replicated over the mesh `params` live on (eagerly, at init).
 
         A jitted step over a mesh takes its closed-over refs on that mesh; a
-        ref on one device would not be. Traced params leave the cells as made.
+        ref on one device would not be. Cells already there are written in
+        place, not replaced: a gradient function traced before this init (a
+        reset, a second run in the process) closes over them, and must mark
+        the cells this transformation's update reads. Traced params leave
+        the cells as they are.
         """
         if self.initial_scale is None or _compat.staging():
             return
-        self._cells = self._make(replicated_like(params))
+        sharding = replicated_like(params)
+        if self._cells is not None and _devices(self._cells) == _devices_of(sharding):
+            for name, value in self._initial_values().items():
+                self._cells[name][...] = jax.device_put(value, self._cells[name].sharding)
+            return
+        self._cells = self._make(sharding)
         self._traced = False  # new cells: no compiled step holds these
 
     def cells(self) -> dict[str, Any]:
@@ -203,6 +215,11 @@ def replicated_like(tree: Any) -> Any:
 def _devices(cells: dict[str, Any]) -> set[Any]:
     """The devices the cells live on (the ref's sharding: reading its value there would need them here)."""
     return set(cells["scale"].sharding.device_set)
+
+
+def _devices_of(sharding: Any) -> set[Any]:
+    """The devices of `sharding`; None (no mesh): the default device, where unplaced cells are made."""
+    return set(sharding.device_set) if sharding is not None else {jax.devices()[0]}
 
 
 # How deep `find_live_scale` looks through closures and wrappers.

@@ -256,24 +256,28 @@ def _scaled(
             step_finite=jnp.array(True),
         )
 
-    def update(grads: Any, state: LossScaleState, params: Any = None, **extra_args: Any):
+    def update(updates: Any, state: LossScaleState, params: Any = None, **extra_args: Any):
+        # Named as optax's protocol names them: frameworks call update(updates=..., state=..., params=...).
+        grads = updates
         if not isinstance(state, LossScaleState):
             raise TypeError(
                 f"jaxamp.loss_scaling's update expects the LossScaleState its init made, got {type(state).__name__}."
             )
         finite = gradients_finite(grads, axis_name, what="jaxamp.loss_scaling")
         # Given to amp as ``loss_scale=tx``, its backward hands back zeros where
-        # it overflowed, and says so here.
-        overflow, stale = live.overflow_since_commit(state.scaler_state) if live.attached else (None, None)
+        # it overflowed, and says so here; not inside a pmap or shard_map body,
+        # which cannot close over the cells (amp reads the state there).
+        reads_cells = live.attached and not _compat.manual_axes()
+        overflow, stale = live.overflow_since_commit(state.scaler_state) if reads_cells else (None, None)
         if overflow is not None:
             finite = finite & ~overflow
             check_live_use(live)
         else:
             check_scale_use(state.scaler_state.scaler, live)
         if isinstance(state.inner_state, optax.MultiStepsState):
-            updates, new_state = _accumulating_update(inner, state, finite, grads, params, **extra_args)
+            steps, new_state = _accumulating_update(inner, state, finite, grads, params, **extra_args)
         else:
-            updates, inner_state = update_if_finite(inner, finite, grads, state.inner_state, params, **extra_args)
+            steps, inner_state = update_if_finite(inner, finite, grads, state.inner_state, params, **extra_args)
             new_state = LossScaleState(
                 inner_state=inner_state,
                 scaler_state=next_scaler_state(state.scaler_state, finite),
@@ -289,7 +293,7 @@ def _scaled(
             kept_scale = moved._replace(scaler=state.scaler_state.scaler, count=state.scaler_state.count)
             new_state = new_state._replace(scaler_state=select_tree(stale & overflow, kept_scale, moved))
             live.commit(overflow, stale, new_state.scaler_state)
-        return updates, new_state
+        return steps, new_state
 
     update._jaxamp_live_scale = live  # type: ignore[attr-defined]
     return optax.GradientTransformationExtraArgs(init, update)

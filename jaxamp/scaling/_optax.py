@@ -126,11 +126,11 @@ def skip_nonfinite_updates(
             inner.init(array_part(params)), jnp.array(True), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
         )
 
-    def update(grads, state: SkipNonFiniteState, params=None, **extra_args):
-        finite = gradients_finite(grads, axis_name, what="skip_nonfinite_updates")
-        updates, inner_state = update_if_finite(inner, finite, grads, state.inner_state, params, **extra_args)
+    def update(updates, state: SkipNonFiniteState, params=None, **extra_args):
+        finite = gradients_finite(updates, axis_name, what="skip_nonfinite_updates")
+        steps, inner_state = update_if_finite(inner, finite, updates, state.inner_state, params, **extra_args)
         skipped = (~finite).astype(jnp.int32)
-        return updates, SkipNonFiniteState(
+        return steps, SkipNonFiniteState(
             inner_state=inner_state,
             last_finite=finite,
             notfinite_count=(state.notfinite_count + 1) * skipped,
