@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -19,10 +19,12 @@ from jax import lax
 
 from ._dtypes import is_castable
 
-__all__ = ["as_array", "cast_value", "dtype_of", "saturating_cast", "shared_casts"]
+__all__ = ["as_array", "cast_value", "dtype_of", "linear_values", "saturating_cast", "shared_casts"]
 
 # value id -> {dtype: (value, its cast)} for the jaxpr being interpreted.
 _SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxamp_shared_casts", default=None)
+# Values `saturating_cast` casts plainly (see `linear_values`).
+_LINEAR: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxamp_linear_values", default=())
 
 
 @contextlib.contextmanager
@@ -42,6 +44,24 @@ def shared_casts(casts: dict) -> Iterator[None]:
         yield
     finally:
         _SHARED.reset(token)
+
+
+@contextlib.contextmanager
+def linear_values(values: Sequence[Any]) -> Iterator[None]:
+    """Within this block, `saturating_cast` casts `values` as `cast_value` does.
+
+    For the tangents a custom_jvp rule computes with: JAX transposes what the
+    rule does to them, and a saturating cast is not linear (its clamp and its
+    test for infinities have no transpose; JAX fails on the rule's backward
+    pass). A plain cast is linear, and it is what a tangent gets anywhere else
+    (the backward pass of a saturating cast is the plain cast's): a tangent
+    past float16's range overflows to inf, which a loss scaler looks for.
+    """
+    token = _LINEAR.set(tuple(values))
+    try:
+        yield
+    finally:
+        _LINEAR.reset(token)
 
 
 def dtype_of(x: Any) -> Any:
@@ -89,7 +109,7 @@ def saturating_cast(x: Any, dtype: Any) -> Any:
         and np.dtype(dtype) == np.dtype(jnp.float16)
         and jnp.finfo(current).max > jnp.finfo(jnp.float16).max
     )
-    if narrowing_to_float16:
+    if narrowing_to_float16 and not any(x is v for v in _LINEAR.get()):
         if isinstance(x, (int, float, np.ndarray, np.generic)):  # a literal: no ops needed
             x = np.asarray(x, current)
             limit = _float16_bound(current)

@@ -197,7 +197,8 @@ def aliases(eqn: Any, body: Any = None) -> dict[int, int]:
     """
     if body is not None:
         inputs = {v: i for i, v in enumerate(body.invars)}
-        return {k: inputs[v] for k, v in enumerate(body.outvars) if v in inputs}
+        # A body may return a literal (``eqx.filter_jit``'s constant output), which is not hashable.
+        return {k: inputs[v] for k, v in enumerate(body.outvars) if not isinstance(v, _compat.Literal) and v in inputs}
     if eqn.primitive.name in ("convert_element_type", "copy"):
         (operand,) = eqn.invars
         dtypes = (getattr(operand.aval, "dtype", None), eqn.outvars[0].aval.dtype)

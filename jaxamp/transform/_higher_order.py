@@ -27,7 +27,7 @@ from .._casting import cast_value, dtype_of
 from .._dtypes import is_castable
 from . import _site_state
 from ._interpreter import AmpContext, Handler, interpret, register
-from ._linearity import tangents_of
+from ._linearity import context_key, tangents_of
 
 __all__: list[str] = []  # handlers register themselves; nothing to import
 
@@ -102,6 +102,8 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
     )
     # Which of its operands the program widened from half precision (`jaxamp.analyses._upcasts`).
     upcasts = ctx.upcasts_inside[1] if ctx.upcasts_inside is not None else None
+    # Inside a custom_jvp rule: which of its operands are tangents, cast without saturating.
+    tangents = context_key()
     key = (
         dtypes,
         ctx.compute_dtype,
@@ -113,6 +115,7 @@ def _amp_closed_jaxpr(ctx: AmpContext, closed: Any, invals: list) -> Any:
         paused,
         tail,
         upcasts,
+        tangents,
     )
     if cacheable:
         try:

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from .. import _compat
-from .._casting import dtype_of, shared_casts
+from .._casting import dtype_of, linear_values, shared_casts
 from .._dtypes import is_castable
 from .._jaxpr import MATMUL_NAMES, holds_matmul, merge_runs
 from ..analyses._regions import Regions
@@ -29,6 +29,7 @@ from ..analyses._statistics import plan_statistics
 from ..analyses._tail import Path, Tail, find_tail, path_body, paths_in
 from ..analyses._upcasts import plan_upcasts
 from . import _site_state
+from ._linearity import context_key, entering_bodies, tangent_operands
 from ._rules import PolicyTable, requested_precision, use_original_precision
 from ._scopes import AMP_DEFAULT, RuleChoice, choose_rule
 
@@ -298,12 +299,13 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
                     nested = dataclasses.replace(nested, last_matmuls_inside=(entered, last_inside.get(i, frozenset())))
                 if entered is not None and i in upcasts.body_inputs:
                     nested = dataclasses.replace(nested, upcasts_inside=(entered, upcasts.body_inputs[i]))
-                if eqn.primitive is _compat.custom_vjp_call_p and ctx.around_custom_vjp is not None:
-                    outvals = ctx.around_custom_vjp(
-                        eqn, invals, lambda ins: _run_handler(handler, ctx, nested, eqn, list(ins))
-                    )
-                else:
-                    outvals = _run_handler(handler, ctx, nested, eqn, invals)
+                with entering_bodies(eqn):
+                    if eqn.primitive is _compat.custom_vjp_call_p and ctx.around_custom_vjp is not None:
+                        outvals = ctx.around_custom_vjp(
+                            eqn, invals, lambda ins: _run_handler(handler, ctx, nested, eqn, list(ins))
+                        )
+                    else:
+                        outvals = _run_handler(handler, ctx, nested, eqn, invals)
             else:
                 outvals = _apply_rule(
                     ctx,
@@ -338,14 +340,15 @@ def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], ctx: AmpCo
             i += 1
         else:
             # What else decides how amp rewrites the run's equations: the
-            # context, and the statistics plan (of the equations and of the
-            # bodies they call, planned with their operands' classes).
+            # context, the statistics plan (of the equations and of the
+            # bodies they call, planned with their operands' classes), and
+            # which operands are a custom_jvp rule's tangents.
             key = (
-                ctx.compute_dtype, ctx.policy, ctx.scopes, ctx.tail, ctx.differentiated >= 2,
+                ctx.compute_dtype, ctx.policy, ctx.scopes, ctx.tail, ctx.differentiated >= 2, context_key(),
                 tuple(
                     (
                         k in plan.statistics, k in plan.bounded, (k,) in paths, inside.get(k), plan.call_inputs.get(k),
-                        upcasts.requests.get(k), upcasts.body_inputs.get(k),
+                        upcasts.requests.get(k), upcasts.body_inputs.get(k), tangent_operands(jaxpr.eqns[k]),
                     )
                     for k in run
                 ),
@@ -669,7 +672,7 @@ def _apply_rule(
                 _DIFFERENTIATED.reset(token)
         if rewrite is not None and rewrite.fn is not None:
             return rewrite.fn(*operands), operands, tuple(rewrite.operand_dtypes), rewrite
-        with shared_casts(casts):
+        with shared_casts(casts), linear_values(_tangents(eqn, operands)):
             new_invals, new_params = _call_rule(choice, ctx.compute_dtype, original, operands, params)
         bound = eqn.primitive.bind(*new_invals, **new_params)
         return bound, new_invals, tuple(dtype_of(x) for x in new_invals), rewrite
@@ -708,6 +711,14 @@ def _apply_rule(
             )
         )
     return outvals
+
+
+def _tangents(eqn: Any, operands: list) -> list:
+    """The operands of `eqn` that are tangents of the custom_jvp rule being interpreted (see `linear_values`)."""
+    tangents = tangent_operands(eqn)
+    if not isinstance(tangents, tuple):
+        return []
+    return [x for x, is_tangent in zip(operands, tangents) if is_tangent]
 
 
 def _call_rule(choice: RuleChoice, compute_dtype, original, invals, params):
