@@ -22,6 +22,9 @@ most 0.0013. Bounds: 0.1 and 0.02, loose because sampling and training
 amplify differences over steps; the lower bound 1e-5 tells bfloat16 from float32.
 """
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -374,3 +377,52 @@ def test_sft_float16_with_micro_batches_skips_the_overflowing_step_and_orbax_res
     restored.train([dict(sft_batches(1)[0], factor=jnp.float32(1.0))] * 10)  # Tunix skips the 8 trained
     assert restored.train_steps == 5 and scale(restored) == (2.0**14, 1)
     assert not same(host(nnx.state(restored.model, nnx.Param)), final_params)
+
+
+def test_the_scale_in_tunix_logs_through_its_training_hooks_and_a_collapse_is_warned(tmp_path):
+    # porting.md's hook, run as the docs give it: one LossScaleMonitor(record=True)
+    # update a step sends the scale to jax.monitoring, whose listeners Tunix's
+    # metrics logger registers (its TensorBoard among them), and warns where
+    # the scale collapsed.
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "porting.md").read_text()
+    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M) if "class LossScaleHooks" in b]
+    namespace: dict = {}
+    exec(block, namespace)
+    LossScaleHooks = namespace["LossScaleHooks"]
+
+    logged = []
+
+    def listener(name, value, **tags):
+        if name.startswith("/jaxamp/loss_scaling/"):
+            logged.append((tags.get("step"), name.rsplit("/", 1)[-1], value))
+
+    jax.monitoring.register_scalar_listener(listener)
+    try:
+        trainer = f16_sft_trainer(tmp_path, max_steps=3)
+        trainer.with_training_hooks(LossScaleHooks())
+        factors = [1.0, 1.0, OVERFLOW, OVERFLOW, 1.0, 1.0]  # the second real step overflows
+        trainer.train([dict(sft_batches(1)[0], factor=jnp.float32(f)) for f in factors])
+    finally:
+        jax.monitoring.unregister_scalar_listener(listener)
+    by_step = {}
+    for step, name, value in logged:
+        by_step.setdefault(name, []).append((step, value))
+    # One entry a real step, tagged with Tunix's count of updates: the second overflowed.
+    assert by_step["loss_scale"] == [(0, 2.0**15), (1, 2.0**15), (2, 2.0**14), (3, 2.0**14)]
+    assert by_step["skipped_steps"] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+    # At its floor (a scale of 1, every step overflowing) the monitor says so, from the hook alone.
+    model = toy()
+    optimizer = jaxamp.loss_scaling(optax.adam(1e-2), scaler=1.0)
+    jaxamp.amp_module(model, compute_dtype="f16", loss_scale=optimizer)
+    config = peft_trainer.TrainingConfig(eval_every_n_steps=100, max_steps=2)
+    floored = peft_trainer.PeftTrainer(model, optimizer, config)
+    floored.with_training_hooks(LossScaleHooks())
+    tunix_loss = floored.loss_fn
+
+    def overflowing(model, input_tokens, input_mask, positions, attention_mask):
+        return 1e30 * tunix_loss(model, input_tokens, input_mask, positions, attention_mask)
+
+    floored.with_loss_fn(overflowing)
+    with pytest.warns(UserWarning, match="the loss scale is at its floor"):
+        floored.train(sft_batches(2))

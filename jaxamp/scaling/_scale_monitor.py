@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._loss_scaling import LossScaleState, find_scale_state
-from ._metrics import _is_metrics, host_metrics
+from ._metrics import _is_metrics, host_metrics, record_scale_metrics
 
 __all__ = ["LossScaleMonitor"]
 
@@ -39,17 +39,30 @@ class LossScaleMonitor:
       smaller scale is left to try;
     * more than ``max_skipped_fraction`` of the last `window` steps were skipped.
 
+    With ``record=True`` each update also sends the metrics to
+    `jax.monitoring`'s listeners (`record_scale_metrics`, tagged with the
+    step): where a framework logs through them (Tunix's metrics logger, its
+    TensorBoard), one ``monitor.update(opt_state, step)`` in its step hook
+    both logs the scale and warns.
+
     Args:
         window: how many recent steps the skipped fraction is taken over.
         max_skipped_fraction: the fraction of them that may be skipped.
         min_scale: the scale's floor; by default the state's ``min_scaler``,
             or ``1.0`` (the default floor) when fed a metrics dict.
+        record: also record each update's metrics as `jax.monitoring` events.
 
     Raises:
         ValueError: `window` below 1, or `max_skipped_fraction` outside ``[0, 1)``.
     """
 
-    def __init__(self, window: int = 100, max_skipped_fraction: float = 0.5, min_scale: float | None = None):
+    def __init__(
+        self,
+        window: int = 100,
+        max_skipped_fraction: float = 0.5,
+        min_scale: float | None = None,
+        record: bool = False,
+    ):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"LossScaleMonitor window must be an int >= 1, got {window!r}.")
         if not 0.0 <= max_skipped_fraction < 1.0:
@@ -57,6 +70,7 @@ class LossScaleMonitor:
         self.window = window
         self.max_skipped_fraction = max_skipped_fraction
         self.min_scale = min_scale
+        self.record = bool(record)
         self._seen: collections.deque[tuple[int, int]] = collections.deque()  # (step, skipped_steps)
         self._calls = 0
         self._last_scale: float | None = None
@@ -70,6 +84,8 @@ class LossScaleMonitor:
             state_or_metrics: what `scale_metrics` takes, or the dict it returned.
             step: the training step, where the monitor is not fed every step
                 (then the window counts steps, not calls); by default, calls.
+                A step given again (a hook run per micro-batch) is read, not
+                counted, recorded or warned about twice.
 
         Returns:
             The metrics as Python numbers (`scale_metrics`'s keys), for the logger.
@@ -77,6 +93,10 @@ class LossScaleMonitor:
         values = host_metrics(state_or_metrics, "LossScaleMonitor.update")
         self._calls += 1
         step = self._calls if step is None else int(step)
+        if self._seen and step == self._seen[-1][0]:
+            return values  # this step was seen already (a hook called per micro-batch)
+        if self.record:
+            record_scale_metrics(values, step=step)
         skipped = values["skipped_steps"]
         # The scale this step ran with is the one the previous update saw.
         ran_with, self._last_scale = self._last_scale, values["loss_scale"]
