@@ -17,7 +17,8 @@ By concern:
 - `_sharding`: meshes, manual axes and the axes values vary over;
 - `_tables`: rules in JAX's global tables that fp8 mode installs on first use
   (importing jaxamp changes none: tests/test_import_side_effects.py);
-- `_nnx`: the flax NNX adapter (flax is imported only by the program).
+- `_nnx`: the flax NNX adapter, and every difference between flax releases
+  (flax is imported only by the program).
 
 Callers say ``_compat.name``: every public name of these modules is here.
 

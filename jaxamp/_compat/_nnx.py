@@ -1,4 +1,4 @@
-"""The flax NNX adapter: split, flatten and walk nnx objects in graph mode, whatever the flax release."""
+"""The flax NNX adapter: split, flatten, walk and read nnx objects in graph mode, whatever the flax release."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ import jax
 
 __all__ = [
     "has_nnx_objects",
+    "nnx_attributes",
     "nnx_flatten",
+    "nnx_is_bookkeeping",
     "nnx_is_object",
     "nnx_iter_graph",
+    "nnx_marked",
+    "nnx_metadata",
     "nnx_raw_value",
     "nnx_split",
 ]
@@ -91,4 +95,62 @@ def nnx_is_object(x: Any) -> bool:
     """
     from flax import nnx
 
-    return isinstance(x, nnx.Variable) or nnx.graph.is_node_module(x)
+    return isinstance(x, nnx.Variable) or _is_node_module()(x)
+
+
+@functools.cache
+def _is_node_module() -> Callable[[Any], bool]:
+    """flax's test for a graph node type (Module, Rngs, Optimizer...): not a Variable, not a `jax.Ref`."""
+    from flax.nnx import graph
+
+    if hasattr(graph, "is_node_module"):  # flax >= 0.12.7
+        return graph.is_node_module
+    registry = graph.GRAPH_REGISTRY  # what is_node_module reads (flax 0.10 to 0.12.6 have it)
+    return lambda x: type(x) in registry
+
+
+# flax's record of the trace an object was made in (flax 0.12's ``_pytree__state``,
+# ``_object__state`` before): a copy merged inside a trace has its own, which
+# must never reach the caller's object.
+_TRACE_STATE = ("_pytree__state", "_object__state")
+# flax's other bookkeeping in an object's __dict__; flax 0.12's ``_pytree__nodes``
+# marks which attributes are data (state) and which static.
+_BOOKKEEPING = ("_pytree__", "_object__")
+_DATA_MARKS = "_pytree__nodes"
+
+
+def nnx_attributes(node: Any) -> dict[str, Any] | None:
+    """A graph node's attributes as set on it (its ``__dict__``); None for a Variable or a node without one.
+
+    All of them (flax's own bookkeeping, such as which are data, too) but the
+    trace the node was made in. A `functools.cached_property` writes here.
+    """
+    from flax import nnx
+
+    if isinstance(node, nnx.Variable) or not hasattr(node, "__dict__"):
+        return None
+    return {name: value for name, value in vars(node).items() if name not in _TRACE_STATE}
+
+
+def nnx_is_bookkeeping(name: str) -> bool:
+    """Whether an attribute is flax's own record about the object rather than the user's."""
+    return name.startswith(_BOOKKEEPING)
+
+
+def nnx_marked(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
+    """The attributes flax marked data or static anew between two `nnx_attributes` of one object.
+
+    Those set (or deleted) through flax's own ``__setattr__``, which marks an
+    attribute data when its value is an array and static otherwise (a tracer
+    too: flax 0.12.12 counts one static). `functools.cached_property` writes the
+    ``__dict__`` directly, unmarked.
+    """
+    old, new = before.get(_DATA_MARKS) or {}, after.get(_DATA_MARKS) or {}
+    return {name for name in {*old, *new} if name not in old or name not in new or old[name] != new[name]}
+
+
+def nnx_metadata(leaf: Any) -> dict | None:
+    """A copy of a Variable's metadata (sharding names, ...); None for a bare array leaf."""
+    from flax import nnx
+
+    return dict(leaf.get_metadata()) if isinstance(leaf, nnx.Variable) else None

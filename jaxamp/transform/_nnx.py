@@ -24,12 +24,14 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 from .. import _compat
 
@@ -91,8 +93,9 @@ class GraphCall:
     state of those objects (split together, so objects sharing a Variable keep
     sharing it), and the objects themselves are replaced by static markers. It
     returns ``(out, (updates, created))``: `fn`'s output, the state leaves `fn`
-    changed and the state of nnx objects `fn` created and returned. After amp
-    evaluates the trace, `finish` writes the updates into the caller's objects.
+    changed, and what it made anew (the state of nnx objects `fn` created and
+    returned, the values of attributes it set). After amp evaluates the trace,
+    `finish` writes the updates and attributes into the caller's objects.
     A `GraphCall` serves one amp call: tracing records what `finish` needs.
     """
 
@@ -100,6 +103,7 @@ class GraphCall:
         from flax import errors, nnx
 
         self._owner = owner  # how error messages name the caller
+        parameters = _parameter_names(fn)  # and the arguments: `model.rope`
 
         self._nnx = nnx
         self._trace_context_error = errors.TraceContextError
@@ -119,7 +123,7 @@ class GraphCall:
         marked = []
         for keypath, leaf in leaves:
             if _compat.nnx_is_object(leaf):
-                self._names.append(_argument_name(keypath))
+                self._names.append(_argument_name(keypath, parameters))
                 marked.append(_Argument(len(nodes)))
                 nodes.append(leaf)
             else:
@@ -131,13 +135,21 @@ class GraphCall:
         # Recorded while tracing, for `finish`.
         self._changed_paths: list[tuple] = []
         self._created_graphdef: Any = None
+        self._attributes: list[tuple[tuple, str, bool, Callable[[Iterator], Any]]] = []  # _Attribute.recorded()
 
     def fn(self, state: Any, *args: Any, **kwargs: Any) -> tuple[Any, tuple[list, Any]]:
         """Run `fn` on copies of the nnx objects merged from `state` (inside amp's trace).
 
+        Returns ``(out, (updates, created))``: `fn`'s output, the values of the
+        state leaves it changed, and what it made anew (the state of nnx objects
+        it created and returned, and the traced values of attributes it set on
+        the objects, a `functools.cached_property` filled, say), which callers
+        hand to `finish` as they are.
+
         Raises:
-            ValueError: `fn` changed the objects' structure, or returned a new
-                nnx object that holds parts of its arguments' objects.
+            ValueError: `fn` changed the objects' structure, returned a new
+                nnx object that holds parts of its arguments' objects, or set
+                an attribute to a value amp cannot carry back.
             flax.errors.TraceContextError: `fn` mutated an nnx object it reached
                 other than through its arguments (a closure, say).
         """
@@ -146,6 +158,12 @@ class GraphCall:
         _, before = _compat.nnx_flatten(copies)
         before_values = [_compat.nnx_raw_value(leaf) for _, leaf in before]
         before_contents = [_contents(value) for value in before_values]
+        before_metadata = {path: _compat.nnx_metadata(leaf) for path, leaf in before}
+        before_attributes = [
+            (path, node, attributes)
+            for path, node in _compat.nnx_iter_graph(copies)
+            if (attributes := _compat.nnx_attributes(node)) is not None
+        ]
         try:
             with module_scopes(copies):
                 out = self._fn(*args, **kwargs)
@@ -158,9 +176,18 @@ class GraphCall:
                 "instead: amp(loss)(model, x), not amp(lambda x: loss(model, x))(x). "
                 "amp carries the state of nnx objects among its arguments back out."
             ) from err
+        carried, bookkeeping, uncarried = self._set_attributes(before_attributes, {path for path, _ in before})
+        # The state compared and carried as nnx.jit's is the objects' without the
+        # attributes carried apart (and flax's marks of them): put them back as
+        # they were on these copies.
+        restored = [*carried, *bookkeeping]
+        as_left = _compat.nnx_flatten(copies)[1] if restored else None
+        for change in restored:
+            _restore(change)
         graphdef, after = _compat.nnx_flatten(copies)
         if graphdef != self._graphdef:
-            raise self._structure_error(before.paths, after.paths)
+            carried_paths = {(*change.path, change.name) for change in carried}
+            raise self._structure_error(before, as_left or after, uncarried, before_metadata, carried_paths)
         # A value fn did not replace is the very object merged in (nnx.jit's
         # test), with the same contents where it is a container fn may fill in
         # place (the dicts `nnx.capture` hands `Module.sow`).
@@ -170,8 +197,52 @@ class GraphCall:
             if (value := _compat.nnx_raw_value(leaf)) is not old or _contents(value) != contents
         ]
         self._changed_paths = [path for path, _ in changed]
+        self._attributes = [change.recorded() for change in carried]
         out, created = self._export(out, copies)
-        return out, ([leaf for _, leaf in changed], created)
+        traced = [leaf for change in carried for leaf in change.traced()]
+        return out, ([leaf for _, leaf in changed], (created, traced))
+
+    def _set_attributes(self, before: list, leaf_paths: set) -> tuple[list[_Attribute], list[_Attribute], list[str]]:
+        """The attributes `fn` set, replaced or deleted on the copies (not their state's leaves).
+
+        Returns those amp carries back (their values arrays, or hashable
+        values, in pytrees), the changes of flax's own bookkeeping (which flax
+        makes again on the caller's objects) and the names of those amp cannot
+        carry, which hold nnx objects and so change the objects' structure.
+
+        Raises:
+            ValueError: an attribute was set to a value amp cannot inspect.
+        """
+        # Flat state paths end in the key flax gives an attribute: its name,
+        # or an int where a node's keys are ints (an nnx.List's).
+        leaves = {(path[:-1], str(path[-1])) for path in leaf_paths}
+        carried, bookkeeping, uncarried = [], [], []
+        for path, node, old in before:
+            new = _compat.nnx_attributes(node) or {}
+            marked = _compat.nnx_marked(old, new)
+            for name in [*old, *(name for name in new if name not in old)]:
+                if (name in old and name in new and old[name] is new[name]) or (path, name) in leaves:
+                    continue  # unchanged, or a state leaf: carried as an update
+                value = new.get(name, _DELETED)
+                if _compat.nnx_is_bookkeeping(name):
+                    bookkeeping.append(_Attribute(path, name, old.get(name, _DELETED), value, node))
+                    continue
+                if _holds_nnx_objects(old.get(name)) or _holds_nnx_objects(value):
+                    uncarried.append(self._format_path((*path, name)))
+                    continue
+                change = _Attribute(path, name, old.get(name, _DELETED), value, node, name in marked)
+                if not change.carriable():
+                    raise ValueError(
+                        f"{self._owner}: fn set {self._format_path((*path, name))} to a "
+                        f"{type(change.unhashable()).__name__} (a functools.cached_property, say), "
+                        "which amp cannot carry back: it runs fn on copies of the flax nnx objects "
+                        "passed to it and carries back attributes set to arrays, hashable values or "
+                        "pytrees of them, and cannot tell whether this one holds values traced in fn. "
+                        "Compute it in __init__, keep its arrays in an nnx.Variable, or make it a "
+                        "pytree (a tuple or dict of arrays)."
+                    )
+                carried.append(change)
+        return carried, bookkeeping, uncarried
 
     def values(self, state: Any) -> dict:
         """The raw value of every leaf of `state` (the objects' state), by graph path.
@@ -216,6 +287,7 @@ class GraphCall:
         Args:
             result: the evaluated ``(out, (updates, created))`` of `fn` (the
                 method), its values in the dtypes `fn` itself produced.
+                Attributes `fn` set on the objects are set on the caller's.
 
         Returns:
             `fn`'s output, the nnx objects in it resolved: the caller's own objects
@@ -223,16 +295,34 @@ class GraphCall:
             created them.
 
         Raises:
-            flax.errors.TraceContextError: a changed Variable belongs to an outer
-                JAX trace (as calling `fn` itself there would raise).
+            flax.errors.TraceContextError: a changed Variable, or an object fn
+                set an attribute of through flax, belongs to an outer JAX trace
+                (as calling `fn` itself there would raise).
         """
-        out, (updates, created) = result
+        out, (updates, (created, traced)) = result
         nnx = self._nnx
         if updates:
             nnx.update(self._nodes, nnx.from_flat_state(list(zip(self._changed_paths, updates))))
-        if not any(_is_marker(leaf) for leaf in jax.tree_util.tree_leaves(out)):
+        markers = any(_is_marker(leaf) for leaf in jax.tree_util.tree_leaves(out))
+        if not markers and not self._attributes:
             return out
         by_path = dict(_compat.nnx_iter_graph(self._nodes))
+        traced = iter(traced)
+        for path, name, marked, rebuild in self._attributes:
+            node, value = by_path[path], rebuild(traced)
+            # Through flax where fn went through it (flax then marks it data or
+            # static for the value the caller gets, as in a plain call), else
+            # into __dict__, as functools.cached_property writes it.
+            if marked and value is _DELETED:
+                delattr(node, name)
+            elif marked:
+                setattr(node, name, value)
+            elif value is _DELETED:
+                vars(node).pop(name, None)
+            else:
+                vars(node)[name] = value
+        if not markers:
+            return out
         new = nnx.merge(self._created_graphdef, created) if created is not None else ()
         return _replace_markers(out, lambda m: by_path[m.path] if isinstance(m, _Existing) else new[m.index])
 
@@ -274,24 +364,48 @@ class GraphCall:
         ]
         return jax.tree_util.tree_unflatten(treedef, marked), created_state
 
-    def _structure_error(self, before: tuple, after: tuple) -> ValueError:
-        before_set, after_set = set(before), set(after)
-        added = [self._format_path(p) for p in after if p not in before_set]
-        removed = [self._format_path(p) for p in before if p not in after_set]
-        what = (
-            "; ".join(
-                f"{label} {', '.join(paths)}" for label, paths in (("added", added), ("removed", removed)) if paths
+    def _structure_error(
+        self, before: Any, after: Any, uncarried: list[str], metadata: dict, carried: set
+    ) -> ValueError:
+        """The error for a changed graph definition, naming what changed.
+
+        Leaves added (less those of the `carried` attributes) or removed,
+        attributes set to or from nnx objects, Variables whose metadata changed.
+        """
+        before_set, after_set = set(before.paths), set(after.paths)
+        added = [
+            self._format_path(p)
+            for p in after.paths
+            if p not in before_set and not any(p[:k] in carried for k in range(1, len(p) + 1))
+        ]
+        removed = [self._format_path(p) for p in before.paths if p not in after_set]
+        # Attributes holding nnx objects that no added or removed leaf names already.
+        named = [*added, *removed]
+        replaced = [n for n in uncarried if not any(p == n or p.startswith((f"{n}.", f"{n}[")) for p in named)]
+        relabelled = [
+            self._format_path(path)
+            for path, leaf in after
+            if path in metadata and _compat.nnx_metadata(leaf) != metadata[path]
+        ]
+        what = "; ".join(
+            f"{label} {', '.join(paths)}"
+            for label, paths in (
+                ("added", added),
+                ("removed", removed),
+                ("set", replaced),
+                ("changed the metadata of", relabelled),
             )
-            or "changed a static attribute or a Variable's metadata"
+            if paths
         )
         return ValueError(
             f"{self._owner}: fn changed the structure of the flax nnx objects passed to it "
-            f"({what}). amp runs fn on copies of them inside its trace and carries "
-            "back the new values of their existing Variables and array attributes "
-            "only. Create such attributes before calling the amp'd function (in "
-            "__init__, say, with a placeholder value fn then overwrites), or return "
-            "the new values from fn instead of attaching them to the module (as "
-            "Module.sow does)."
+            f"({what or 'its graph definition, at no path amp can name'}). amp runs fn on copies "
+            "of them inside its trace and carries back the new values of their existing "
+            "Variables and array attributes, and attributes fn sets to arrays or hashable "
+            "values (a functools.cached_property), but not new nnx objects or Variables, nor "
+            "Variables' metadata. Create such attributes before calling the amp'd function (in "
+            "__init__, say, with a placeholder value fn then overwrites), or return the new "
+            "values from fn instead of attaching them to the module (as Module.sow does)."
         )
 
     def _format_path(self, path: tuple) -> str:
@@ -312,10 +426,95 @@ def _call_object(obj: Any, *args: Any, **kwargs: Any) -> Any:
     return obj(*args, **kwargs)
 
 
-def _argument_name(keypath: tuple) -> str:
-    # Key paths of ``(args, kwargs)``: the first key picks the group.
+def _argument_name(keypath: tuple, parameters: list[str]) -> str:
+    """How an error names the argument at `keypath` of ``(args, kwargs)``: by fn's parameter where it has one."""
     group, *rest = keypath
-    return ("args" if group.idx == 0 else "kwargs") + jax.tree_util.keystr(tuple(rest))
+    if group.idx == 1:  # a keyword argument: by its keyword
+        first, *rest = rest
+        return f"{first.key}{jax.tree_util.keystr(tuple(rest))}"
+    if rest and rest[0].idx < len(parameters):
+        first, *rest = rest
+        return f"{parameters[first.idx]}{jax.tree_util.keystr(tuple(rest))}"
+    return "args" + jax.tree_util.keystr(tuple(rest))
+
+
+def _parameter_names(fn: Callable) -> list[str]:
+    """The names of `fn`'s positional parameters before any ``*args`` (none where it has no signature)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in itertools.takewhile(lambda p: p.kind in positional, parameters)]
+
+
+class _Deleted:
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_DELETED = _Deleted()  # an attribute fn deleted (or one it added, as it was before)
+
+
+class _Attribute:
+    """An attribute `fn` set, replaced or deleted on a copy of a module: `node`, at graph `path`.
+
+    Carried back to the caller's module by `GraphCall.finish`: the leaves
+    traced in fn as outputs of amp's trace, the others as they are. `marked`:
+    set through flax's ``__setattr__`` (not written into ``__dict__``).
+    """
+
+    def __init__(self, path: tuple, name: str, old: Any, new: Any, node: Any, marked: bool = False):
+        self.path, self.name, self.old, self.new, self.node, self.marked = path, name, old, new, node, marked
+        self._leaves, self._treedef = ([], None) if new is _DELETED else jax.tree_util.tree_flatten(new)
+
+    def unhashable(self) -> Any:
+        """A leaf of the new value that is neither an array nor hashable (which amp cannot inspect), or None."""
+        for leaf in self._leaves:
+            if isinstance(leaf, (jax.Array, np.ndarray)):
+                continue
+            try:
+                hash(leaf)
+            except TypeError:
+                return leaf
+        return None
+
+    def carriable(self) -> bool:
+        return self.unhashable() is None
+
+    def traced(self) -> list:
+        """The new value's leaves traced in fn: outputs of amp's trace."""
+        return [leaf for leaf in self._leaves if isinstance(leaf, jax.core.Tracer)]
+
+    def recorded(self) -> tuple[tuple, str, bool, Callable[[Iterator], Any]]:
+        """``(path, name, marked, rebuild)``: ``rebuild(traced)`` is the new value, its traced leaves from `traced`.
+
+        Holds neither the copy nor the traced leaves, which must not outlive the trace.
+        """
+        if self.new is _DELETED:
+            return self.path, self.name, self.marked, lambda traced: _DELETED
+        treedef = self._treedef
+        kept = [None if isinstance(leaf, jax.core.Tracer) else (leaf,) for leaf in self._leaves]
+
+        def rebuild(traced: Iterator) -> Any:
+            return jax.tree_util.tree_unflatten(treedef, [next(traced) if k is None else k[0] for k in kept])
+
+        return self.path, self.name, self.marked, rebuild
+
+
+def _restore(change: _Attribute) -> None:
+    """Put the attribute back on the copy as it was before fn ran."""
+    attributes = vars(change.node)
+    if change.old is _DELETED:
+        attributes.pop(change.name, None)
+    else:
+        attributes[change.name] = change.old
+
+
+def _holds_nnx_objects(value: Any) -> bool:
+    """Whether `value` is or holds an nnx object (a module, a Variable...), which changes the graph's structure."""
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=_compat.nnx_is_object)
+    return any(_compat.nnx_is_object(leaf) for leaf in leaves)
 
 
 def _replace_markers(tree: Any, resolve: Callable[[Any], Any]) -> Any:
