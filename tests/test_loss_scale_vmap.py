@@ -44,14 +44,17 @@ def _rel_err(a, b):
 def _scale(kind):
     if kind == "float":
         return 2.0**10
-    return jaxamp.loss_scaling(optax.sgd(0.1)).init(jnp.zeros(()))
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    state = tx.init(jnp.zeros(()))
+    # "tx": the live scale, read from the transformation (loops a framework owns).
+    return tx if kind == "tx" else state
 
 
 @settings(max_examples=12, deadline=None)
 @given(
     w_axis=st.sampled_from([None, 0, "closed"]),
     b_axis=st.sampled_from([None, 0, "closed"]),
-    scale_kind=st.sampled_from(["float", "state"]),
+    scale_kind=st.sampled_from(["float", "state", "tx"]),
 )
 def test_vmap_of_amp_gives_true_scale_gradients_for_batched_and_shared_inputs(w_axis, b_axis, scale_kind):
     """Each parameter mapped (one copy per example), shared (``in_axes=None``) or closed over."""
@@ -108,3 +111,53 @@ def test_vmap_of_amp_overflow_gives_nan_gradients_for_the_shared_parameters():
 
     gw, gb = jax.grad(loss, argnums=(0, 1))(w, b)
     assert np.all(np.isnan(gw)) and np.all(np.isnan(gb))
+
+
+def test_vmap_of_amp_with_the_live_scale_carries_the_overflow_in_the_gradient():
+    # One flag cannot hold a decision per example: under vmap the live scale's
+    # overflow travels as NaN, as the state's does, and the update skips it.
+    w, b, x = _inputs()
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    state = tx.init(w)
+    model = jaxamp.amp(_model, compute_dtype="f16", loss_scale=tx)
+
+    def loss(w, factor):
+        return jnp.sum(jax.vmap(model, in_axes=(None, None, 0))(w, b, x)) * factor
+
+    grads = jax.jit(jax.grad(loss))(w, 1e6)
+    assert np.all(np.isnan(grads))
+    updates, new_state = tx.update(grads, state, w)
+    assert not bool(new_state.last_finite) and float(new_state.scale) == float(state.scale) / 2
+    assert np.all(np.asarray(updates) == 0)
+
+
+def _members(w):
+    return jnp.stack([w, w * 0.5])
+
+
+def test_vmap_over_optimizer_states_trains_each_member_at_its_own_scale():
+    w, b, x = _inputs()
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    states = jax.vmap(tx.init)(_members(w))
+
+    def member(w, s, factor):
+        loss = jaxamp.amp(lambda w: jnp.mean(_model(w, b, x)) * factor, compute_dtype="f16", loss_scale=s)
+        return tx.update(jax.grad(loss)(w), s, w)
+
+    # The second member's loss overflows float16 at its scale; the first's does not.
+    _, states = jax.vmap(member)(_members(w), states, jnp.array([1.0, 1e6]))
+    np.testing.assert_array_equal(states.scale, [2.0**15, 2.0**14])
+    np.testing.assert_array_equal(states.last_finite, [True, False])
+
+
+def test_vmap_over_optimizer_states_with_the_live_scale_is_refused_naming_the_state_path():
+    w, b, x = _inputs()
+    tx = jaxamp.loss_scaling(optax.sgd(0.1))
+    states = jax.vmap(tx.init)(_members(w))
+    model = jaxamp.amp(lambda w: jnp.mean(_model(w, b, x)), compute_dtype="f16", loss_scale=tx)
+
+    def member(w, s):
+        return tx.update(jax.grad(model)(w), s, w)
+
+    with pytest.raises(ValueError, match=r"under jax.vmap \(over optimizer states.*loss_scale=opt_state"):
+        jax.vmap(member)(_members(w), states)

@@ -89,6 +89,7 @@ __all__ = [
     "staging",
     "compiling",
     "forward_mode",
+    "mapped",
     "tangent_aval",
     "trace_keeping_calls",
     "trace_to_closed_jaxpr",
@@ -256,6 +257,16 @@ def compiling() -> bool:
         )
     except _DRIFT_ERRORS:  # pragma: no cover - future JAX
         return staging()
+
+
+def mapped() -> bool:
+    """Whether the caller runs under `jax.vmap` (a batching trace encloses it): values may be one per example."""
+    from jax._src.interpreters import batching
+
+    try:
+        return any(isinstance(t, batching.BatchTrace) for t in _enclosing_traces())
+    except _DRIFT_ERRORS:  # pragma: no cover - future JAX
+        return True  # unknown: the caller takes the path that is right under vmap too
 
 
 def forward_mode() -> bool:

@@ -1,4 +1,4 @@
-"""Loss scaling for float16, in three flavours that share one finiteness check.
+"""Loss scaling for float16: four APIs that share one finiteness check (docs/loss_scaling.md).
 
 - jaxamp's own scaler: `DynamicScalerState` with `dynamic_scale_value_and_grad`
   and `dynamic_scale_grad` (`DynamicLossScaler` is another name for the state),

@@ -241,7 +241,13 @@ class LossScaling:
             assert self.live is not None
             self.live.attach()
             scale = self.live.read_scale()
-            unscale_inputs = functools.partial(unscale_checked_live, live=self.live)
+            # Under `jax.vmap` (per-example inputs, an ensemble's parameters) one
+            # flag cannot take a decision per example: the overflow travels in
+            # the gradient, NaN, as with the state (which any update skips).
+            if _compat.mapped():
+                note_live_call(self.live)
+            else:
+                unscale_inputs = functools.partial(unscale_checked_live, live=self.live)
         else:
             if self.live is not None:
                 # Read from the state, the placements the live scale allows are not all allowed.

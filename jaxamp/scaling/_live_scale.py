@@ -81,11 +81,10 @@ class LiveScale:
         ref on one device would not be. Cells already there are written in
         place, not replaced: a gradient function traced before this init (a
         reset, a second run in the process) closes over them, and must mark
-        the cells this transformation's update reads. Traced params leave
-        the cells as they are.
+        the cells this transformation's update reads.
         """
-        if self.initial_scale is None or _compat.staging():
-            return
+        if self.initial_scale is None or _compat.staging() or _compat.mapped():
+            return  # traced params (an init under jit or vmap) leave the cells as they are
         sharding = replicated_like(params)
         if self._cells is not None and _devices(self._cells) == _devices_of(sharding):
             for name, value in self._initial_values().items():

@@ -29,7 +29,7 @@ from ._dynamic_scaler import DynamicScalerState, host_scaler_state, next_scaler_
 from ._finite import AxisName, check_axis_name, select_tree
 from ._live_scale import LiveScale
 from ._optax import check_optimizer, gradients_finite, update_if_finite
-from ._scale_uses import check_live_use, check_scale_use
+from ._scale_uses import check_live_use, check_scale_use, read_since_update
 
 __all__ = ["LossScaleState", "find_scale_state", "find_scaler_state", "is_scale_state", "loss_scaling"]
 
@@ -268,6 +268,16 @@ def _scaled(
         # it overflowed, and says so here; not inside a pmap or shard_map body,
         # which cannot close over the cells (amp reads the state there).
         reads_cells = live.attached and not _compat.manual_axes()
+        if reads_cells and _compat.mapped():
+            if read_since_update(live):
+                check_live_use(live)  # this update has run: the next one starts afresh
+                raise ValueError(
+                    "jaxamp.loss_scaling's update runs under jax.vmap (over optimizer states: an ensemble), "
+                    "and amp read this transformation's live scale (loss_scale=tx), which is one for all of "
+                    "them: the members' scales could not move apart. Give amp each member's state inside "
+                    "the vmapped function: jaxamp.amp(loss, compute_dtype='f16', loss_scale=opt_state)."
+                )
+            reads_cells = False  # the flag is not set under vmap: the overflow is in the gradients
         overflow, stale = live.overflow_since_commit(state.scaler_state) if reads_cells else (None, None)
         if overflow is not None:
             finite = finite & ~overflow

@@ -82,6 +82,11 @@ def note_live_call(live: Any) -> None:
 _lives_since_update: dict[int, weakref.ref] = {}
 
 
+def read_since_update(live: Any) -> bool:
+    """Whether an amp call read `live` since the last update ran."""
+    return any(ref() is live for ref in _lives_since_update.values())
+
+
 def _scaled_by_another_live_scale(live: Any) -> bool:
     """Whether amp calls since the last update read some other transformation's live scale, and not `live`."""
     lives = [ref() for ref in _lives_since_update.values()]
