@@ -196,3 +196,22 @@ def test_amp_inside_the_gradient_jitted_apart_from_the_update_is_not_warned_abou
         warnings.simplefilter("error")
         _, new_state = jax.jit(tx.update)(grad(_params(), state), state, _params())
     assert bool(new_state.last_finite)
+
+
+def test_one_overflowing_gradient_handed_to_two_updates_is_skipped_by_both():
+    # The state path's NaN gradients are skipped by every update they reach;
+    # the live scale's flag stays set for each update until the next backward pass.
+    tx = jaxamp.loss_scaling(optax.adam(1e-2))
+    w = _params()
+    state = tx.init(w)
+    grads = jax.jit(jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx)))(w, *_batch(overflow=True))
+    update = jax.jit(tx.update)
+    _, once = update(grads, state, w)
+    _, twice = update(grads, once, w)
+    assert not bool(once.last_finite) and not bool(twice.last_finite)
+    assert float(twice.scale) == float(state.scale) / 4
+    assert _leaves_equal(twice.inner_state, state.inner_state)
+    # The next backward pass starts the flag anew: a finite step is applied.
+    grads = jax.jit(jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx)))(w, *_batch())
+    _, third = update(grads, twice, w)
+    assert bool(third.last_finite)

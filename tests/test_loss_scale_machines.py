@@ -5,9 +5,9 @@ transformation's cells, for loops a framework owns) against
 ``loss_scale=opt_state`` (the scale read from the state), bit for bit: the
 parameters, the inner optimizer state, the scale and the skipped-step count.
 Its rules are the sequences the live scale follows its state through today:
-steps clean or overflowing, the gradient jitted with the update or apart, a
-re-``init``, a checkpoint round trip of the current state. Rolling back to an
-older copy, a discarded gradient, one gradient handed to two updates and one
+steps clean or overflowing, the gradient jitted with the update or apart, one
+gradient handed to two updates, a re-``init``, a checkpoint round trip of the
+current state. Rolling back to an older copy, a discarded gradient and one
 transformation for two states are not among them: there the live scale reads
 the cells, not the state (docs/loss_scaling.md, the live scale's limits).
 
@@ -119,6 +119,22 @@ class LiveAgainstState(RuleBasedStateMachine):
         self.seed += 1
         self.w_live, self.s_live = _step(_live_path(self.tx_live), self.w_live, self.s_live, batch, jit_together)
         self.w_state, self.s_state = _step(_state_path(self.tx_state), self.w_state, self.s_state, batch, jit_together)
+
+    @rule(overflow=st.booleans())
+    def one_gradient_two_updates(self, overflow):
+        # The same gradients handed to a second update (both skip an overflow).
+        batch = _batch(self.seed, overflow)
+        self.seed += 1
+        for path, tx in ((_live_path(self.tx_live), "live"), (_state_path(self.tx_state), "state")):
+            _, grad, update = path
+            w, s = (self.w_live, self.s_live) if tx == "live" else (self.w_state, self.s_state)
+            g = grad(w, s, *batch)
+            w, s = update(g, s, w)
+            w, s = update(g, s, w)
+            if tx == "live":
+                self.w_live, self.s_live = w, s
+            else:
+                self.w_state, self.s_state = w, s
 
     @rule()
     def init_again(self):

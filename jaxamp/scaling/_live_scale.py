@@ -55,8 +55,10 @@ class LiveScale:
     def _initial_values(self) -> dict[str, np.ndarray]:
         return {
             "scale": np.float32(self.initial_scale),
-            # amp's backward overflowed since the last update read the flag.
+            # amp's backward passes since the last update overflowed (the updates after them read it).
             "overflow": np.bool_(False),
+            # an update ran since amp's last backward pass: the next one starts the flag anew.
+            "after_update": np.bool_(True),
             # an overflow since the last committed update, as of the last update.
             "window": np.bool_(False),
             # that overflow was at a stale scale (it says nothing of the state's).
@@ -153,9 +155,17 @@ class LiveScale:
         return self.cells()["scale"][...]
 
     def mark_overflow(self, finite: jax.Array) -> None:
-        """amp's backward pass: record that it overflowed (where `finite` is false)."""
-        cell = self.cells()["overflow"]
-        cell[...] = cell[...] | ~finite
+        """amp's backward pass: record that it overflowed (where `finite` is false).
+
+        The flag holds the backward passes since the last update (several, where
+        a step accumulates micro-batches before one update) and stays set for
+        every update until the next backward pass: each update handed the
+        same gradients skips them.
+        """
+        c = self.cells()
+        restart = c["after_update"][...]
+        c["overflow"][...] = jnp.where(restart, ~finite, c["overflow"][...] | ~finite)
+        c["after_update"][...] = jnp.array(False)
 
     def overflow_since_commit(self, scaler_state: Any) -> tuple[jax.Array, jax.Array]:
         """Whether amp overflowed since the last update whose result was kept, and whether at a stale scale.
@@ -191,7 +201,7 @@ class LiveScale:
         c = self.cells()
         c["window"][...] = overflow
         c["window_stale"][...] = overflow & stale
-        c["overflow"][...] = jnp.array(False)
+        c["after_update"][...] = jnp.array(True)
         c["last_scale"][...] = jnp.asarray(scaler_state.scaler, jnp.float32)
         c["last_count"][...] = jnp.asarray(scaler_state.count, jnp.int32)
         c["last_resets"][...] = jnp.asarray(scaler_state.total_resets, jnp.int32)
