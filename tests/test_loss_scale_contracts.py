@@ -122,15 +122,17 @@ def test_a_forward_only_live_call_leaves_a_later_state_path_step_unwarned():
     evaluated_by = jaxamp.loss_scaling(optax.adam(1e-2))
     evaluated_by.init(_params())
     jax.jit(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=evaluated_by))(_params(), *_batch())
+    assert bool(_state_step_jitted_apart_unwarned().last_finite)
+
+
+def _state_step_jitted_apart_unwarned():
+    """A state-path step, the gradient jitted apart from the update, warnings as errors: the new state."""
     tx = jaxamp.loss_scaling(optax.adam(1e-2))
     state = tx.init(_params())
-
-    # The gradient jitted apart from the update.
     grad = jax.jit(lambda w, s: jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=s))(w, *_batch()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _, new_state = jax.jit(tx.update)(grad(_params(), state), state, _params())
-    assert bool(new_state.last_finite)
+        return jax.jit(tx.update)(grad(_params(), state), state, _params())[1]
 
 
 def test_a_pmap_step_given_the_state_after_a_live_eval_of_the_same_transformation():
@@ -189,13 +191,7 @@ def test_amp_of_a_function_taking_its_own_gradient_warns_when_jitted_apart_from_
 
 
 def test_amp_inside_the_gradient_jitted_apart_from_the_update_is_not_warned_about():
-    tx = jaxamp.loss_scaling(optax.adam(1e-2))
-    state = tx.init(_params())
-    grad = jax.jit(lambda w, s: jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=s))(w, *_batch()))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _, new_state = jax.jit(tx.update)(grad(_params(), state), state, _params())
-    assert bool(new_state.last_finite)
+    assert bool(_state_step_jitted_apart_unwarned().last_finite)
 
 
 def test_one_overflowing_gradient_handed_to_two_updates_is_skipped_by_both():
