@@ -51,17 +51,6 @@ __all__ = [
 ]
 
 
-class _Fields(NamedTuple):
-    patience: jax.Array
-    adjust_factor: jax.Array
-    scaler: jax.Array
-    # The seed's field name; it shadows tuple.count, which nothing here calls.
-    count: jax.Array  # type: ignore[assignment]
-    total_resets: jax.Array
-    min_scaler: jax.Array
-    max_scaler: jax.Array
-
-
 # Each field's dtype, smallest allowed value, and whether that value is allowed.
 # (`checked_scalar` also rejects inf and NaN, so `max_scaler` is finite.)
 _FIELD_RULES: dict[str, tuple[Any, float, bool]] = {
@@ -80,7 +69,7 @@ def _check_field(name: str, value: Any, host: bool = False) -> jax.Array:
     return checked_scalar(f"DynamicScalerState {name}", value, dtype, lower=lower, inclusive=inclusive, host=host)
 
 
-class DynamicScalerState(_Fields):
+class DynamicScalerState(NamedTuple):
     """The state of jaxamp's dynamic loss scaler (a NamedTuple, hence a pytree).
 
     Python numbers and arrays of a compatible kind are accepted and stored as
@@ -106,6 +95,10 @@ class DynamicScalerState(_Fields):
     The bounds exist because a scale that reaches 0 (``0 * loss``, then
     ``0 / 0 = NaN`` gradients on every step) or inf never recovers.
 
+    Fields that are all strings or None are kept as given, unchecked: that is
+    the state's structure with a name per leaf, which pytree utilities build by
+    calling a NamedTuple's class (Levanter's checkpointer names its files so).
+
     Raises:
         TypeError: a bool, a float for an integer field, or a non-numeric value.
         ValueError: a non-scalar, or a concrete value out of range (negative
@@ -114,20 +107,43 @@ class DynamicScalerState(_Fields):
             ``[min_scaler, max_scaler]``, inf or NaN).
     """
 
-    __slots__ = ()
+    patience: jax.Array
+    adjust_factor: jax.Array
+    scaler: jax.Array
+    # The seed's field name; it shadows tuple.count, which nothing here calls.
+    count: jax.Array  # type: ignore[assignment]
+    total_resets: jax.Array
+    min_scaler: jax.Array
+    max_scaler: jax.Array
 
-    def __new__(
-        cls,
-        patience: Any = 2000,
-        adjust_factor: Any = 2.0,
-        scaler: Any = 2**15,
-        count: Any = 0,
-        total_resets: Any = 0,
-        min_scaler: Any = 1.0,
-        max_scaler: Any = 2.0**24,
-    ) -> DynamicScalerState:
-        values = (patience, adjust_factor, scaler, count, total_resets, min_scaler, max_scaler)
-        return _validated(values, host=False)
+
+# A direct NamedTuple (its one base is `tuple`), not a subclass of one: pytree
+# utilities that recognise NamedTuples by ``type(x).__bases__ == (tuple,)``, as
+# Levanter's checkpointer does (`levanter.utils.jax_utils.leaf_key_paths`), would
+# otherwise take the state for a plain tuple and fail to match it against the
+# state (a pytree structure error at the first save). `typing.NamedTuple` forbids
+# a `__new__` in the class body, so the validating one is set here.
+def _new(
+    cls: type,
+    patience: Any = 2000,
+    adjust_factor: Any = 2.0,
+    scaler: Any = 2**15,
+    count: Any = 0,
+    total_resets: Any = 0,
+    min_scaler: Any = 1.0,
+    max_scaler: Any = 2.0**24,
+) -> DynamicScalerState:
+    values = (patience, adjust_factor, scaler, count, total_resets, min_scaler, max_scaler)
+    if all(v is None or isinstance(v, str) for v in values):
+        # The structure rebuilt with a name (or None) per leaf, as Levanter's
+        # `leaf_key_paths` rebuilds a NamedTuple (``type(x)(**fields)``) to name
+        # the checkpoint's files; not a state, so not validated.
+        return tuple.__new__(cls, values)
+    return _validated(values, host=False)
+
+
+_new.__qualname__ = "DynamicScalerState.__new__"
+DynamicScalerState.__new__ = staticmethod(_new)  # type: ignore[method-assign,assignment]
 
 
 def _validated(values: tuple, host: bool) -> DynamicScalerState:
