@@ -55,17 +55,20 @@ def edited_source(amp: str, scaler: str | None = None) -> str:
     return source.replace(LOSS, LOSS + line)
 
 
-def _bool_loss_masks() -> None:
-    """Levanter 1.2.dev1644 with JAX >= 0.10 (which jaxamp needs): its loss averages
+def bool_mask_reduce():
+    """haliax's loss reduction with its mask cast to bool, where this JAX refuses a float mask; else None.
+
+    Levanter 1.2.dev1644 with JAX >= 0.10 (which jaxamp needs): its loss averages
     with a float 0/1 mask (``hax.mean(loss, where=mask)``), which JAX 0.10 refuses
-    ("where must be None or a boolean array") even in float32. Cast the mask to bool
-    (the same elements, the same mean). A Levanter/JAX matter, not a jaxamp one."""
+    ("where must be None or a boolean array") even in float32. A bool mask holds
+    the same elements, so the mean is the same. A Levanter/JAX matter, not a jaxamp one.
+    """
     import haliax.nn.loss as hax_loss
     import jax.numpy as jnp
 
     try:
         jnp.mean(jnp.ones(2), where=jnp.ones(2))
-        return  # this JAX still takes a float mask
+        return None  # this JAX still takes a float mask
     except ValueError:
         pass
     reduce = hax_loss.maybe_reduce_loss
@@ -75,7 +78,16 @@ def _bool_loss_masks() -> None:
             where = where != 0
         return reduce(arr, reduction, reduction_axis, where)
 
-    hax_loss.maybe_reduce_loss = maybe_reduce_loss
+    return maybe_reduce_loss
+
+
+def _bool_loss_masks() -> None:
+    """Put `bool_mask_reduce`'s loss reduction into haliax, where this JAX needs it."""
+    import haliax.nn.loss as hax_loss
+
+    replacement = bool_mask_reduce()
+    if replacement is not None:
+        hax_loss.maybe_reduce_loss = replacement
 
 
 TINY_YAML = """\

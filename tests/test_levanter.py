@@ -116,23 +116,27 @@ def test_levanter_checkpointer_saves_and_restores_loss_scaling_state(tmp_path):
     _assert_same(restored, tree)
 
 
+def _example():
+    """examples/levanter_train_lm.py, imported as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "levanter_train_lm.py"
+    spec = importlib.util.spec_from_file_location("example_levanter_train_lm", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example
+    spec.loader.exec_module(example)
+    return example
+
+
 def _bool_loss_masks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Levanter 1.2.dev1644's loss averages with a float mask, which JAX 0.10 refuses: cast it (same mean)."""
+    """Levanter 1.2.dev1644's loss averages with a float mask, which JAX 0.10 refuses: the example's cast."""
     import haliax.nn.loss as hax_loss
 
-    try:
-        jnp.mean(jnp.ones(2), where=jnp.ones(2))
-        return
-    except ValueError:
-        pass
-    reduce = hax_loss.maybe_reduce_loss
-
-    def maybe_reduce_loss(arr, reduction, reduction_axis, where):
-        if where is not None and where.dtype != jnp.bool_:
-            where = where != 0
-        return reduce(arr, reduction, reduction_axis, where)
-
-    monkeypatch.setattr(hax_loss, "maybe_reduce_loss", maybe_reduce_loss)
+    replacement = _example().bool_mask_reduce()
+    if replacement is not None:
+        monkeypatch.setattr(hax_loss, "maybe_reduce_loss", replacement)
 
 
 def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float], Any]:
@@ -210,18 +214,11 @@ def test_the_port_is_porting_md_lines():
     """examples/levanter_train_lm.py edits Levanter's train_lm by exactly the lines docs/porting.md gives."""
     pytest.importorskip("levanter")
     import difflib
-    import importlib.util
     import inspect
-    import sys
-    from pathlib import Path
 
     import levanter.main.train_lm as train_lm
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "levanter_train_lm.py"
-    spec = importlib.util.spec_from_file_location("example_levanter_train_lm", path)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example
-    spec.loader.exec_module(example)
+    example = _example()
     original = inspect.getsource(train_lm).splitlines()
     changed = {}
     for amp in ("bf16", "f16"):
