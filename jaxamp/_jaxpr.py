@@ -23,6 +23,7 @@ __all__ = [
     "MATMUL_NAMES",
     "bodies",
     "equation_flops",
+    "equations_in",
     "holds_matmul",
     "matmul_name",
     "matmuls_in",
@@ -46,8 +47,8 @@ def bodies(eqn: Any) -> Iterator[Any]:
                 yield body
 
 
-def matmuls_in(jaxpr: Any, *, enter: Callable[[Any], bool] | None = None) -> Iterator[Any]:
-    """The matmul equations of `jaxpr` in program order, those of nested bodies included.
+def equations_in(jaxpr: Any, *, enter: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """The equations of `jaxpr` in program order, those of nested bodies included.
 
     A body (a jit'd function, a loop body, a cond's branches in order, a
     custom rule's primal, a Pallas kernel) is walked where its equation stands.
@@ -57,12 +58,16 @@ def matmuls_in(jaxpr: Any, *, enter: Callable[[Any], bool] | None = None) -> Ite
         enter: which equations' bodies to walk (all when None).
     """
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        if eqn.primitive.name in MATMUL_NAMES:
-            yield eqn
+        yield eqn
         if enter is not None and not enter(eqn):
             continue
         for body in bodies(eqn):
-            yield from matmuls_in(body, enter=enter)
+            yield from equations_in(body, enter=enter)
+
+
+def matmuls_in(jaxpr: Any, *, enter: Callable[[Any], bool] | None = None) -> Iterator[Any]:
+    """The matmul equations of `jaxpr` in program order, those of nested bodies included (see `equations_in`)."""
+    return (eqn for eqn in equations_in(jaxpr, enter=enter) if eqn.primitive.name in MATMUL_NAMES)
 
 
 def matmul_name(eqn: Any) -> str:

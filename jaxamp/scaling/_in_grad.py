@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from .. import _compat
-from .._jaxpr import bodies
+from .._jaxpr import equations_in
 from ._backward_scale import scaling_backward
 from ._dynamic_scaler import DynamicScalerState
 from ._finite import checked_scalar, is_inexact_leaf, local_all_finite, on_every_device, select_tree
@@ -331,7 +331,7 @@ def warn_if_differentiated_inside(program: Any) -> None:
     precision unscaled and small gradients flush to zero. Said here, when the
     program is traced, so a gradient jitted apart from the update is caught too.
     """
-    if any(_compat.eqn_transposed(eqn) for eqn in _equations(program.jaxpr)):
+    if any(_compat.eqn_transposed(eqn) for eqn in equations_in(program)):
         warnings.warn(
             "jaxamp.amp(..., loss_scale=...) wraps a function that takes a gradient itself (its traced "
             "program holds a backward pass): the loss scale reaches only a gradient taken of the function "
@@ -341,14 +341,6 @@ def warn_if_differentiated_inside(program: Any) -> None:
             UserWarning,
             stacklevel=2,
         )
-
-
-def _equations(jaxpr: Any) -> Any:
-    """Every equation of `jaxpr`, those of the bodies it calls included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for body in bodies(eqn):
-            yield from _equations(getattr(body, "jaxpr", body))
 
 
 def _built_per_step(tx: Any) -> bool:
