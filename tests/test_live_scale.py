@@ -96,15 +96,18 @@ def test_the_live_scale_follows_the_state_it_moves():
 
 
 @pytest.mark.newest_only
-def test_an_overflow_skips_the_step_with_zero_gradients_and_the_state_kept():
+@pytest.mark.parametrize("wrapped", [False, True], ids=["bare", "inside_apply_if_finite"])
+def test_an_overflow_skips_the_step_with_the_state_kept(wrapped):
     tx = jaxamp.loss_scaling(optax.adam(1e-2))
     w = _params()
-    opt_state = tx.init(w)
+    # apply_if_finite cannot take a NaN (it would revert the scale): its init
+    # tells the transformation, whose overflows then leave zeros and a flag.
+    opt_state = optax.apply_if_finite(tx, 5).init(w).inner_state if wrapped else tx.init(w)
     step = _stepper(tx, tx)
     w, opt_state, _ = step(w, opt_state, *_batch())
     new_w, new_state, grads = step(w, opt_state, *_batch(overflow=True))
-    # Zeros, not NaN: optax.MultiSteps would keep a NaN in its accumulator.
-    np.testing.assert_array_equal(grads, np.zeros_like(grads))
+    # The overflow travels in the gradient (NaN, as from the state), or as zeros and the flag.
+    np.testing.assert_array_equal(grads, np.zeros_like(grads) if wrapped else np.full_like(grads, np.nan))
     np.testing.assert_array_equal(new_w, w)
     for before, after in zip(jax.tree.leaves(opt_state.inner_state), jax.tree.leaves(new_state.inner_state)):
         np.testing.assert_array_equal(after, before)
@@ -121,8 +124,8 @@ def test_gradients_scaled_by_another_transformations_live_scale_are_said_at_the_
     # The loss given one transformation, its gradients handed to the other's update.
     with pytest.warns(UserWarning, match="another loss_scaling transformation's live scale"):
         _, state, _ = _stepper(applied_by, scaled_by)(w, applied_by.init(w), *_batch(overflow=True))
-    # The zeros amp handed back were applied as a step: what the warning is about.
-    assert bool(state.last_finite)
+    # The overflow travelled in the gradient: skipped all the same.
+    assert not bool(state.last_finite)
 
 
 def test_two_losses_each_given_its_own_transformation_are_not_warned_about():

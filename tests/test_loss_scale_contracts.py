@@ -211,3 +211,67 @@ def test_one_overflowing_gradient_handed_to_two_updates_is_skipped_by_both():
     grads = jax.jit(jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx)))(w, *_batch())
     _, third = update(grads, twice, w)
     assert bool(third.last_finite)
+
+
+def _state_step(tx):
+    grad = jax.jit(lambda w, s, x, y: jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=s))(w, x, y))
+    return lambda w, s, batch: tx.update(grad(w, s, *batch), s, w)
+
+
+def test_a_discarded_overflowing_gradient_changes_nothing_with_the_live_scale():
+    # A probe (a grad-norm diagnostic) whose gradient is never applied: the
+    # overflow travels in that gradient, so the next clean step is taken, as
+    # on the state path.
+    live_tx, state_tx = jaxamp.loss_scaling(optax.adam(1e-2)), jaxamp.loss_scaling(optax.adam(1e-2))
+    w = _params()
+    live_state, state_state = live_tx.init(w), state_tx.init(w)
+    probe = jax.jit(jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=live_tx)))
+    assert np.all(np.isnan(probe(w, *_batch(overflow=True))))
+    live_updates, live_state = _live_step(live_tx)(w, live_state, _batch())
+    state_updates, state_state = _state_step(state_tx)(w, state_state, _batch())
+    assert bool(live_state.last_finite)
+    assert _leaves_equal(live_updates, state_updates)
+    assert float(live_state.scale) == float(state_state.scale)
+
+
+def test_a_second_state_on_one_transformation_is_said_and_an_overflow_above_its_scale_keeps_it():
+    # One transformation, two optimizer states (two models): amp reads the
+    # scale of the state updated last. A step that overflowed above its own
+    # state's scale says nothing of that scale (kept, the step skipped), and
+    # the sharing is said once.
+    tx = jaxamp.loss_scaling(optax.adam(1e-2), scaler=2.0**10)
+    w = _params()
+    step = _live_step(tx)
+    first, second = tx.init(w), tx.init(w)
+    _, first = step(w, first, _batch(overflow=True))  # halved: the cells now follow it
+    assert float(first.scale) == 2.0**9
+    with pytest.warns(UserWarning, match="serves more than one optimizer state"):
+        _, second = step(w, second, _batch())  # ran at 2^9, below its own 2^10: clean, taken
+        jax.effects_barrier()
+    assert bool(second.last_finite) and float(second.scale) == 2.0**10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        _, first = step(w, first, _batch(overflow=True))  # ran at the second's 2^10, above its 2^9
+        jax.effects_barrier()
+    assert not bool(first.last_finite)
+    assert float(first.scale) == 2.0**9
+    assert int(jaxamp.scaling.scale_metrics(first)["skipped_steps"]) == 2
+
+
+def test_a_restored_state_steps_at_once_and_an_overflow_at_the_initial_scale_keeps_its_scale():
+    # A new process (a new transformation) restores a state whose scale is
+    # below the initial one: the first step reads the initial scale (the cells
+    # have followed no state yet); taken where finite, and where it overflowed
+    # there the restored scale is kept. Nothing is said: this is no misuse.
+    saved = jaxamp.loss_scaling(optax.adam(1e-2), scaler=2.0**10).init(_params())
+    saved = saved._replace(scaler_state=saved.scaler_state._replace(scaler=jnp.float32(2.0**6)))
+    for overflow in (False, True):
+        tx = jaxamp.loss_scaling(optax.adam(1e-2), scaler=2.0**10)
+        tx.init(_params())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, state = _live_step(tx)(_params(), saved, _batch(overflow=overflow))
+            jax.effects_barrier()
+        assert bool(state.last_finite) is not overflow
+        assert float(state.scale) == 2.0**6
+        assert float(tx.update._jaxamp_live_scale.cells()["scale"][...]) == 2.0**6

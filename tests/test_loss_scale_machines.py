@@ -4,12 +4,15 @@
 transformation's cells, for loops a framework owns) against
 ``loss_scale=opt_state`` (the scale read from the state), bit for bit: the
 parameters, the inner optimizer state, the scale and the skipped-step count.
-Its rules are the sequences the live scale follows its state through today:
-steps clean or overflowing, the gradient jitted with the update or apart, one
-gradient handed to two updates, a re-``init``, a checkpoint round trip of the
-current state. Rolling back to an older copy, a discarded gradient and one
-transformation for two states are not among them: there the live scale reads
-the cells, not the state (docs/loss_scaling.md, the live scale's limits).
+Its rules are the sequences the live scale follows its state through: steps
+clean or overflowing, the gradient jitted with the update or apart, one
+gradient handed to two updates, a gradient discarded (the overflow travels in
+the gradient, so a discarded one says nothing), a re-``init``, a checkpoint
+round trip of the current state. Rolling back to an older copy and one
+transformation for two states are not among them: there the forward pass
+reads the cells, which follow the last state updated, not the one handed to
+the update (docs/loss_scaling.md, the live scale's limits;
+tests/test_live_scale.py holds what it does there).
 
 `StateAgainstFloat32`: the state path against float32 within float16's
 tolerance, where every rule holds: an overflowing step changes nothing, a
@@ -135,6 +138,14 @@ class LiveAgainstState(RuleBasedStateMachine):
                 self.w_live, self.s_live = w, s
             else:
                 self.w_state, self.s_state = w, s
+
+    @rule(overflow=st.booleans())
+    def discard_a_gradient(self, overflow):
+        # A probe (a grad-norm diagnostic): the gradient computed, never applied.
+        batch = _batch(self.seed, overflow)
+        self.seed += 1
+        _live_path(self.tx_live)[1](self.w_live, self.s_live, *batch)
+        _state_path(self.tx_state)[1](self.w_state, self.s_state, *batch)
 
     @rule()
     def init_again(self):

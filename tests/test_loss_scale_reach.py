@@ -282,7 +282,9 @@ def test_a_loss_given_another_optimizers_state_is_said_at_the_update():
 
 
 @pytest.mark.newest_only
-def test_an_optimizer_whose_gradients_no_amp_call_scaled_is_said_at_the_update():
+def test_an_optimizer_whose_gradients_no_amp_call_scaled_is_said_at_the_update(monkeypatch):
+    # As in a fresh process: no amp call has been given a scale (the tests before this one's gave some).
+    monkeypatch.setattr(jaxamp.scaling._scale_uses, "_scaled_any", False)
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
 
     @jax.jit

@@ -208,7 +208,7 @@ def test_shard_map_without_vma_decides_over_axis_name(api):
 def test_shard_map_without_vma_and_without_axis_name_asks_for_it(api):
     decide = _apis(None)[api]
     fn = _shard_map(lambda x: _per_device(decide(x)), P("dp"), P("dp"), check_vma=False)
-    with pytest.raises(ValueError, match=r"check_vma=False.*Pass axis_name='dp'"):
+    with pytest.raises(ValueError, match=r"check_vma=False.*pass axis_name='dp'.*an ensemble.*axis_name=\(\)"):
         fn(_batch())
 
 
@@ -225,8 +225,15 @@ def test_pmap_decides_over_its_axis_name(api):
 @pytest.mark.newest_only
 def test_pmap_without_axis_name_raises_before_running(api):
     decide = _apis(None)[api]
-    with pytest.raises(ValueError, match=r"jax.pmap.*Pass axis_name='batch'"):
+    with pytest.raises(ValueError, match=r"jax.pmap.*pass axis_name='batch'"):
         jax.pmap(decide, axis_name="batch")(_batch().reshape(N, 4, D))
+
+
+def test_an_unnamed_pmap_is_answered_with_how_to_name_its_axis_not_jaxs_own_name():
+    decide = _apis(None)[API_NAMES[0]]
+    with pytest.raises(ValueError, match=r"name the pmap's axis \(jax.pmap\(step, axis_name='batch'\)\)") as raised:
+        jax.pmap(decide)(_batch().reshape(N, 4, D))
+    assert "_internal" not in str(raised.value).split("Where the devices")[1]
 
 
 @pytest.mark.newest_only

@@ -165,14 +165,21 @@ def on_every_device(ok: Any, axis_name: AxisName | None = None, *, what: str) ->
             return ok
         if not _compat.tracks_varying_axes():
             names = manual[0] if len(manual) == 1 else manual
+            # An unnamed `jax.pmap` binds an axis of JAX's own, which no caller can name.
+            unnamed = any(isinstance(name, str) and name.startswith("_") for name in manual)
+            together = (
+                "name the pmap's axis (jax.pmap(step, axis_name='batch')) and pass that name as axis_name"
+                if unnamed
+                else f"pass axis_name={names!r} (the axes the batch or the gradients are split over)"
+            )
             raise ValueError(
                 f"{what} runs per device here (inside jax.pmap or a shard_map with "
                 f"check_vma=False, over mesh axes {manual}), where JAX does not record "
-                "which values differ between devices, so each device would decide alone "
-                "and their scales and parameters could drift apart. Pass "
-                f"axis_name={names!r} (the axes the batch or the gradients are split "
-                "over) to decide once for all devices, or axis_name=() if every device "
-                "is known to see the same values."
+                "which values differ between devices. Where the devices split one model's "
+                f"batch, {together}, so that all devices decide once together and their "
+                "scales and parameters cannot drift apart. Where each device trains a model "
+                "of its own (an ensemble), or every device is known to see the same values, "
+                "pass axis_name=(): each device decides alone."
             )
         varying = _compat.varying_axes(ok)
         if not varying:

@@ -117,9 +117,13 @@ def unscale_checked_on_backward(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def _unscale_checked_bwd(scale, g):
-    # Decided on every device: inside a shard_map the cotangent of a
-    # replicated value must stay replicated, and every device skips alike.
-    finite = forward_finite(g)
+    # Decided by this value's own cotangent, with no collective: it varies
+    # over the devices its cotangent varies over (a replicated value's stays
+    # replicated inside a shard_map), so an overflow on one device of a
+    # data-parallel step reaches the others through the gradient's own
+    # all-reduce, and an ensemble's member (a model per device under `pmap`)
+    # is not held back by another's.
+    finite = local_all_finite(g)
     true_scale = _unscale_bwd(scale, g)[0]
     return jnp.where(finite, true_scale, jnp.full_like(true_scale, jnp.nan)), jnp.zeros_like(scale)
 
@@ -129,10 +133,12 @@ unscale_checked_on_backward.defvjp(_scale_fwd, _unscale_checked_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def unscale_checked_live(x: jax.Array, scale: jax.Array, live: LiveScale) -> jax.Array:
-    """`unscale_checked_on_backward` for a live scale: zeros where the cotangent is not finite, and `live` told.
+    """`unscale_checked_on_backward` for a live scale, which is told the scale it ran at and whether it overflowed.
 
-    Zeros, not NaN: optax's ``MultiSteps`` keeps a NaN in its accumulator for
-    good; the update skips the step by the flag instead.
+    NaN where the cotangent is not finite, as given the state; zeros where a
+    wrapper that cannot take a NaN holds the transformation (optax's
+    ``MultiSteps`` keeps a NaN in its accumulator for good): the update skips
+    the step by the flag there.
     """
     return x
 
@@ -145,10 +151,10 @@ def _unscale_live_bwd(live, scale, g):
     # Noted where the backward pass is traced: a forward-only call (an eval)
     # scaled no gradient an update could receive.
     note_live_call(live)
-    finite = forward_finite(g)
-    live.mark_overflow(finite)
+    finite = local_all_finite(g)
+    overflowed = live.note_backward(scale, finite)
     true_scale = _unscale_bwd(scale, g)[0]
-    return jnp.where(finite, true_scale, jnp.zeros_like(true_scale)), jnp.zeros_like(scale)
+    return jnp.where(finite, true_scale, overflowed.astype(true_scale.dtype)), jnp.zeros_like(scale)
 
 
 unscale_checked_live.defvjp(_unscale_live_fwd, _unscale_live_bwd)

@@ -9,19 +9,30 @@ its inputs and outputs): ``amp(loss, loss_scale=tx)`` reads the scale from
 them, the transformation's update writes the next one. The state stays the
 record (checkpoints restore it; the update steers by it); the cells follow it.
 
-amp's backward pass, given a live scale, hands back zeros where it overflowed
-and sets a flag the update reads, rather than NaN gradients: optax's
-``MultiSteps`` (which Tunix puts around the user's optimizer) resets its
-accumulator by multiplying it by 0, which would keep a NaN forever. The update
-skips a step whose flag was set since the last update that was committed, so
-inside ``MultiSteps`` (whose wrapped update runs at every micro-batch, its state
-kept only at the real step) one overflowing micro-batch skips the real step.
-It knows a committed update from a discarded one by the state it is handed:
-the one its last call produced (committed) or an older one (discarded).
+amp's backward pass, given a live scale, hands the overflow back in the
+gradients, NaN throughout a value that overflowed, as it does given the state:
+the update skips what it is handed, so a gradient discarded, handed to two
+updates or jitted apart from the update carries its own verdict. It also notes
+the scale it ran at, so the update knows a step that ran at another scale than
+its state's (the first after a restore or a rollback, or a state this
+transformation's cells did not follow): an overflow above the state's scale
+says nothing of it, and leaves it as it was.
+
+Where an optax wrapper that cannot take a NaN holds the transformation
+(``optax.MultiSteps``, which Tunix puts around the user's optimizer, resets its
+accumulator by multiplying it by 0; ``apply_if_finite`` would keep the scale
+from shrinking), its init tells the cells so, and the backward pass hands back
+zeros and sets a flag the update reads instead. The update skips a step whose
+flag was set since the last update that was committed, so inside
+``MultiSteps`` (whose wrapped update runs at every micro-batch, its state kept
+only at the real step) one overflowing micro-batch skips the real step. It
+knows a committed update from a discarded one by the state it is handed: the
+one its last call produced (committed) or an older one (discarded).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -46,6 +57,10 @@ class LiveScale:
     def __init__(self, initial_scale: Any):
         self.initial_scale = None if initial_scale is None else float(initial_scale)
         self.attached = False
+        # An optax wrapper that cannot take a NaN gradient holds the
+        # transformation (its init said so): the overflow travels by the flag.
+        self.zeros_on_overflow = False
+        self._warned_foreign = False
         self._traced = False  # a trace has closed over the cells: they stay where they are
         # Made at first need, not here: an optimizer built before
         # `jax.distributed.initialize` (a driver's import-time patch) must not
@@ -55,6 +70,10 @@ class LiveScale:
     def _initial_values(self) -> dict[str, np.ndarray]:
         return {
             "scale": np.float32(self.initial_scale),
+            # the scale amp's last backward pass ran at; -1: none yet.
+            "ran_at": np.float32(-1.0),
+            # a wrapper that cannot take a NaN holds the transformation: amp hands back zeros and the flag.
+            "zeros_on_overflow": np.bool_(False),
             # amp's backward passes since the last update overflowed (the updates after them read it).
             "overflow": np.bool_(False),
             # an update ran since amp's last backward pass: the next one starts the flag anew.
@@ -154,8 +173,15 @@ class LiveScale:
             )
         return self.cells()["scale"][...]
 
-    def mark_overflow(self, finite: jax.Array) -> None:
-        """amp's backward pass: record that it overflowed (where `finite` is false).
+    def wrapped_by_nan_intolerant(self) -> None:
+        """The transformation's init was called by a wrapper that cannot take a NaN gradient: overflows leave zeros."""
+        self.zeros_on_overflow = True
+        if not _compat.mapped():
+            # A gradient function traced before this init reads the cell when it runs.
+            self.cells()["zeros_on_overflow"][...] = jnp.array(True)
+
+    def note_backward(self, scale: jax.Array, finite: jax.Array) -> jax.Array:
+        """amp's backward pass ran at `scale`, finite or not; the value an overflowed cotangent takes (0 or NaN).
 
         The flag holds the backward passes since the last update (several, where
         a step accumulates micro-batches before one update) and stays set for
@@ -163,9 +189,58 @@ class LiveScale:
         same gradients skips them.
         """
         c = self.cells()
+        c["ran_at"][...] = scale
         restart = c["after_update"][...]
         c["overflow"][...] = jnp.where(restart, ~finite, c["overflow"][...] | ~finite)
         c["after_update"][...] = jnp.array(False)
+        return jnp.where(c["zeros_on_overflow"][...], 0.0, jnp.nan)
+
+    def ran_above(self, scaler_state: Any) -> jax.Array:
+        """Whether the gradients were taken at a scale above `scaler_state`'s, which is not the cells' to follow.
+
+        An overflow there says nothing of the state's scale. The cells follow
+        the state this transformation's last update made (handed again, with
+        the same gradients or the next ones, it steers as the state path
+        would); any other is the first after a restore (the cells hold the
+        initial scale) or, where the cells followed a state before, a
+        rollback or a second state: said once.
+        """
+        c = self.cells()
+        ran_at = c["ran_at"][...]
+        ran_at = jnp.where(ran_at < 0, c["scale"][...], ran_at)
+        own = jnp.asarray(scaler_state.scaler, jnp.float32)
+        first = c["last_scale"][...] < 0
+        followed = first | self._is_last(scaler_state)
+        foreign = ~followed & (ran_at != own)
+        jax.lax.cond(foreign, lambda: jax.debug.callback(self._warn_foreign, ran_at, own), lambda: None)
+        return (first | foreign) & (ran_at > own)
+
+    def _is_last(self, scaler_state: Any) -> jax.Array:
+        """Whether `scaler_state` is the one this transformation's last update made (scale, count and resets)."""
+        c = self.cells()
+        handed = (
+            jnp.asarray(scaler_state.scaler, jnp.float32),
+            jnp.asarray(scaler_state.count, jnp.int32),
+            jnp.asarray(scaler_state.total_resets, jnp.int32),
+        )
+        last = (c["last_scale"][...], c["last_count"][...], c["last_resets"][...])
+        return jnp.all(jnp.stack([a == b for a, b in zip(handed, last)]))
+
+    def _warn_foreign(self, ran_at: Any, own: Any) -> None:
+        if self._warned_foreign:
+            return
+        self._warned_foreign = True
+        warnings.warn(
+            f"jaxamp.loss_scaling's live scale ran a backward pass at {float(ran_at):g}, but the optimizer "
+            f"state its update was handed holds the scale {float(own):g}: the state was rolled back to an "
+            "earlier copy, or this transformation serves more than one optimizer state. amp reads the "
+            "scale of whichever state this transformation updated last, so such a state's steps run at "
+            "another's scale (an overflow above its own is skipped and leaves its scale as it was). "
+            "Build one jaxamp.loss_scaling per optimizer state, or give amp the state: "
+            "jaxamp.amp(loss, compute_dtype='f16', loss_scale=opt_state).",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def overflow_since_commit(self, scaler_state: Any) -> tuple[jax.Array, jax.Array]:
         """Whether amp overflowed since the last update whose result was kept, and whether at a stale scale.
@@ -183,16 +258,10 @@ class LiveScale:
         the state's scale.
         """
         c = self.cells()
-        handed = (
-            jnp.asarray(scaler_state.scaler, jnp.float32),
-            jnp.asarray(scaler_state.count, jnp.int32),
-            jnp.asarray(scaler_state.total_resets, jnp.int32),
-        )
-        last = (c["last_scale"][...], c["last_count"][...], c["last_resets"][...])
-        kept = jnp.all(jnp.stack([a == b for a, b in zip(handed, last)]))
+        kept = self._is_last(scaler_state)
         carried = jnp.where(kept, False, c["window"][...])
         fresh = c["overflow"][...]
-        read_stale = (last[0] < 0) & (c["scale"][...] != handed[0])
+        read_stale = (c["last_scale"][...] < 0) & (c["scale"][...] != jnp.asarray(scaler_state.scaler, jnp.float32))
         stale = read_stale | (carried & c["window_stale"][...] & ~fresh)
         return carried | fresh, stale
 

@@ -15,6 +15,8 @@ Both paths move the scale with `next_scaler_state` and decide finiteness with
 from __future__ import annotations
 
 import functools
+import sys
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -105,13 +107,15 @@ def loss_scaling(
     reaches the loss, give amp the transformation instead: ``tx =
     loss_scaling(opt)``, handed to the framework, and ``amp(loss,
     compute_dtype="f16", loss_scale=tx)``. amp then reads the scale from
-    cells the transformation keeps (`jax.Ref`), which this update writes;
-    an overflowing backward pass hands back zero gradients and flags the
-    update, which skips the step. Inside ``optax.MultiSteps`` too (a Tunix
-    trainer's order): the real step is skipped where any of its micro-batches
-    overflowed. Not inside a ``shard_map`` or ``pmap`` body (pass the state
-    there). After a restore, the first step reads the initial scale; if it
-    overflows there, it is skipped and the restored scale kept.
+    cells the transformation keeps (`jax.Ref`), which this update writes with
+    the scale of the state it made; an overflow travels in the gradients, as
+    with the state. Inside ``optax.MultiSteps`` too (a Tunix trainer's order,
+    where the backward pass hands back zeros and a flag): the real step is
+    skipped where any of its micro-batches overflowed. Not inside a
+    ``shard_map`` or ``pmap`` body (pass the state there). A state the cells
+    do not follow (the first step after a restore, a rollback, a second state
+    on one transformation) steps at the cells' scale: an overflow above its
+    own is skipped and its scale kept (docs/loss_scaling.md).
 
     With gradient accumulation and the state given to amp, wrap the accumulator:
     ``loss_scaling(optax.MultiSteps(opt, k))``. The decision is then one per
@@ -139,7 +143,9 @@ def loss_scaling(
             every device skips the same steps and keeps the same scale. Not
             needed under `jax.jit` or in a ``shard_map`` with ``check_vma=True``
             (see `jaxamp.all_finite`); without it inside `pmap` the update
-            raises a ValueError asking for it.
+            raises a ValueError asking for it. ``()`` where each device
+            trains a model of its own (an ensemble: one optimizer definition,
+            a state per device, each member deciding alone).
 
     Returns:
         A `GradientTransformationExtraArgs` whose state is a `LossScaleState`.
@@ -249,6 +255,8 @@ def _scaled(
 
     def init(params: Any) -> LossScaleState:
         live.place_like(params)
+        if live.initial_scale is not None and _called_by_nan_intolerant_wrapper():
+            live.wrapped_by_nan_intolerant()
         return LossScaleState(
             inner_state=inner.init(array_part(params)),
             scaler_state=jax.tree_util.tree_map(jnp.array, initial),
@@ -264,9 +272,9 @@ def _scaled(
                 f"jaxamp.loss_scaling's update expects the LossScaleState its init made, got {type(state).__name__}."
             )
         finite = gradients_finite(grads, axis_name, what="jaxamp.loss_scaling")
-        # Given to amp as ``loss_scale=tx``, its backward hands back zeros where
-        # it overflowed, and says so here; not inside a pmap or shard_map body,
-        # which cannot close over the cells (amp reads the state there).
+        # Given to amp as ``loss_scale=tx``, amp read the scale from the cells,
+        # which follow this state; not inside a pmap or shard_map body, which
+        # cannot close over them (amp reads the state there).
         reads_cells = live.attached and not _compat.manual_axes()
         if reads_cells and _compat.mapped():
             if read_since_update(live):
@@ -277,10 +285,15 @@ def _scaled(
                     "them: the members' scales could not move apart. Give amp each member's state inside "
                     "the vmapped function: jaxamp.amp(loss, compute_dtype='f16', loss_scale=opt_state)."
                 )
-            reads_cells = False  # the flag is not set under vmap: the overflow is in the gradients
-        overflow, stale = live.overflow_since_commit(state.scaler_state) if reads_cells else (None, None)
-        if overflow is not None:
+            reads_cells = False  # the overflow is in the gradients, as with the state
+        stale = None
+        if reads_cells and live.zeros_on_overflow:
+            # A wrapper that cannot take a NaN: the overflow is in the flag.
+            overflow, stale = live.overflow_since_commit(state.scaler_state)
             finite = finite & ~overflow
+        elif reads_cells:
+            stale = live.ran_above(state.scaler_state)
+        if reads_cells:
             check_live_use(live)
         else:
             check_scale_use(state.scaler_state.scaler, live)
@@ -294,19 +307,52 @@ def _scaled(
                 last_finite=finite,
                 step_finite=finite,
             )
-        if overflow is not None and stale is not None:
-            # An overflow at a stale scale (the first step after a restore) leaves
-            # the restored scale as it was, but still skips its step: inside
-            # MultiSteps the window carries it to the real step, whose mean would
-            # otherwise take that micro-batch's zeros.
+        if stale is not None:
+            # An overflow at a scale above the state's (the first step after a
+            # restore, a rollback) says nothing of the state's scale, which is
+            # kept; the step is still skipped: inside MultiSteps the window
+            # carries it to the real step, whose mean took that micro-batch's zeros.
             moved = new_state.scaler_state
             kept_scale = moved._replace(scaler=state.scaler_state.scaler, count=state.scaler_state.count)
-            new_state = new_state._replace(scaler_state=select_tree(stale & overflow, kept_scale, moved))
-            live.commit(overflow, stale, new_state.scaler_state)
+            new_state = new_state._replace(scaler_state=select_tree(stale & ~finite, kept_scale, moved))
+            live.commit(~finite, stale, new_state.scaler_state)
         return steps, new_state
 
     update._jaxamp_live_scale = live  # type: ignore[attr-defined]
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _nan_intolerant_inits() -> frozenset[Any]:
+    """The code of the inits of optax's wrappers that cannot take a NaN gradient from amp.
+
+    ``MultiSteps`` resets its accumulator by multiplying it by 0 (a NaN stays);
+    ``apply_if_finite`` reverts the wrapped state on a NaN, so the scale would
+    not shrink.
+    """
+    apply_if_finite = optax.apply_if_finite(optax.identity(), 1)
+    return frozenset({optax.MultiSteps.init.__code__, apply_if_finite.init.__code__})
+
+
+_NAN_INTOLERANT_INITS = _nan_intolerant_inits()
+# How far up the init's callers a wrapper is looked for (through `optax.chain` and the like).
+_WRAPPER_DEPTH = 6
+
+
+def _called_by_nan_intolerant_wrapper() -> bool:
+    """Whether `loss_scaling`'s init (the caller's caller) runs inside one of `_NAN_INTOLERANT_INITS`.
+
+    The wrappers hold the transformation without a way for it to see them
+    (Tunix builds ``optax.MultiSteps(tx, k)`` itself); their init is the one
+    moment the transformation is called from inside them.
+    """
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(_WRAPPER_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code in _NAN_INTOLERANT_INITS:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _accumulating_update(

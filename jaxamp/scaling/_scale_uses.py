@@ -46,9 +46,9 @@ class ScaleUse:
 # whose update is never called here (it runs in another trace) is dropped in turn.
 _USES: collections.OrderedDict[int, ScaleUse] = collections.OrderedDict()
 _KEPT = 64
-# amp calls given a scale since the last update read one: none means the
+# Whether amp was given a scale at all in this process: none means the
 # gradients that update receives were scaled by no amp call at all.
-_calls_since_update = 0
+_scaled_any = False
 
 
 def record_use(scaler: Any) -> ScaleUse | None:
@@ -56,8 +56,8 @@ def record_use(scaler: Any) -> ScaleUse | None:
 
     None where `scaler` takes no weak reference (a NumPy scalar): nothing to tell the update.
     """
-    global _calls_since_update
-    _calls_since_update += 1
+    global _scaled_any
+    _scaled_any = True
     use = _USES.get(id(scaler))
     if use is None or use.scaler() is not scaler:
         try:
@@ -72,8 +72,8 @@ def record_use(scaler: Any) -> ScaleUse | None:
 
 def note_live_call(live: Any) -> None:
     """amp scaled a call by `live`, a transformation's live scale: the next update knows whose scale it was."""
-    global _calls_since_update
-    _calls_since_update += 1
+    global _scaled_any
+    _scaled_any = True
     _lives_since_update[id(live)] = weakref.ref(live)
 
 
@@ -97,8 +97,6 @@ def _scaled_by_another_live_scale(live: Any) -> bool:
 
 def check_live_use(live: Any) -> None:
     """Warn where the gradients an update given to amp as ``loss_scale=tx`` receives were scaled by another's scale."""
-    global _calls_since_update
-    _calls_since_update = 0
     if _scaled_by_another_live_scale(live):
         _warn_another_live_scale()
 
@@ -107,9 +105,10 @@ def _warn_another_live_scale() -> None:
     warnings.warn(
         "jaxamp.loss_scaling's update receives gradients that amp scaled by another loss_scaling "
         "transformation's live scale (amp was given loss_scale=<that transformation>, not this one): "
-        "where they overflowed, amp handed back zeros and set that transformation's flag, so this "
-        "update would apply them as a step and the other would skip its next one. Give each loss the "
-        "transformation that applies its gradients: jaxamp.amp(loss, compute_dtype='f16', loss_scale=tx).",
+        "this update's scale steered no backward pass, yet moves by overflows at the other's, and the "
+        "other's cells follow a state they do not update (where optax.MultiSteps holds the other, amp "
+        "handed back zeros and flagged the other, so this update applies them as a step). Give each "
+        "loss the transformation that applies its gradients: jaxamp.amp(loss, compute_dtype='f16', loss_scale=tx).",
         UserWarning,
         stacklevel=4,
     )
@@ -128,8 +127,6 @@ def check_scale_use(scaler: Any, live: Any = None) -> None:
     program (a stale or foreign state, or another transformation's live
     scale: `live` is this one's), or, with no record at all, none.
     """
-    global _calls_since_update
-    calls, _calls_since_update = _calls_since_update, 0
     by_another_live_scale = _scaled_by_another_live_scale(live)
     use = _USES.pop(id(scaler), None)
     if use is not None and use.scaler() is scaler:
@@ -150,7 +147,7 @@ def check_scale_use(scaler: Any, live: Any = None) -> None:
             UserWarning,
             stacklevel=3,
         )
-    elif not calls:
+    elif not _scaled_any:
         warnings.warn(
             "jaxamp.loss_scaling's update reads a loss scale that no jaxamp.amp call was given: the "
             "gradients were not loss-scaled, and float16 gradients below 6e-8 flushed to zero. Pass "
