@@ -13,6 +13,8 @@ the others run Levanter itself where it is installed (a pre-release:
 from __future__ import annotations
 
 import io
+import json
+import logging
 from typing import Any
 
 import equinox as eqx
@@ -149,7 +151,7 @@ def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float
     from levanter.models.llama import LlamaConfig
     from levanter.models.lm_model import LmExample, compute_next_token_loss
     from levanter.optim import AdamConfig
-    from levanter.tracker import NoopConfig
+    from levanter.tracker.json_logger import JsonLoggerConfig
     from levanter.trainer import Trainer, TrainerConfig
 
     config = TrainerConfig(
@@ -157,7 +159,7 @@ def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float
         seed=0,
         num_train_steps=steps,
         train_batch_size=4,
-        tracker=NoopConfig(),
+        tracker=JsonLoggerConfig(),
         require_accelerator=False,
         log_jaxprs=False,
         log_xla_hlo=False,
@@ -179,6 +181,13 @@ def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float
     example = hax.vmap(LmExample.causal, Batch)(tokens)
     losses = []
     with Trainer(config, optimizer, loss_function) as trainer:
+        if amp == "f16":  # docs/porting.md's hook: the scale in Levanter's tracker, and the monitor's warnings
+            import levanter
+
+            monitor = jaxamp.scaling.LossScaleMonitor()
+            trainer.add_hook(
+                lambda info: levanter.tracker.log(monitor.update(info.opt_state, info.step), step=info.step), every=1
+            )
         state = trainer.initial_state(
             jax.random.PRNGKey(0), model_init=lambda: model_config.build(Vocab, key=jax.random.PRNGKey(2))
         )
@@ -196,12 +205,17 @@ def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float
     return losses, state
 
 
-def test_levanter_trains_in_float16_as_porting_md_says(tmp_path, monkeypatch):
+def test_levanter_trains_in_float16_as_porting_md_says(tmp_path, monkeypatch, caplog):
     pytest.importorskip("levanter")
     _bool_loss_masks(monkeypatch)
     steps = 4
     f32, _ = _train_tiny_llama(tmp_path / "f32", None, steps)
-    f16, state = _train_tiny_llama(tmp_path / "f16", "f16", steps)
+    with caplog.at_level(logging.INFO, logger="levanter.json_logger"):
+        f16, state = _train_tiny_llama(tmp_path / "f16", "f16", steps)
+    # The hook's metrics, one record a step, in Levanter's tracker.
+    logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "levanter.json_logger"]
+    scales = [(r["step"], r["metrics"]["loss_scale"]) for r in logged if "loss_scale" in r.get("metrics", {})]
+    assert scales == [(step, 2.0**15) for step in range(steps)]
     scale = state.opt_state.scaler_state  # Levanter's TrainerState holds loss_scaling's state as is
     assert int(scale.total_resets) == 0 and float(scale.scaler) == 2.0**15
     # One batch memorised: the loss falls, and f16's stays within 0.5% of float32's
