@@ -327,7 +327,7 @@ def test_under_pmap_without_axis_name_the_update_asks_for_it():
         return jax.tree_util.tree_map(lambda x: jnp.stack([x] * N), tree)
 
     step = jax.pmap(lambda g, s, p: optimizer.update(g, s, p), axis_name="batch")
-    with pytest.raises(ValueError, match=r"jaxamp.loss_scaling runs per device.*Pass axis_name='batch'"):
+    with pytest.raises(ValueError, match=r"jaxamp.loss_scaling runs per device.*pass axis_name='batch'"):
         step(replicate(_grads()), replicate(optimizer.init(params)), replicate(params))
 
 

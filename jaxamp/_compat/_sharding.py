@@ -19,6 +19,7 @@ from ._versions import _internal
 __all__ = [
     "context_mesh",
     "explicit_shards",
+    "is_unnamed_axis",
     "legacy_context_mesh",
     "manual_axes",
     "mark_varying",
@@ -126,6 +127,14 @@ def on_auto_mesh(*xs: Any) -> bool:
 def manual_axes() -> tuple[Any, ...]:
     """The mesh axes the caller runs per device over (`shard_map`, `pmap`), or ()."""
     return tuple(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def is_unnamed_axis(name: Any) -> bool:
+    """Whether `name` is the axis JAX binds for a `jax.pmap` given no ``axis_name`` (no caller can name it).
+
+    JAX 0.10 names it ``'<axis 0x...>'``, later releases ``'_internal_pmap_axis_name'``.
+    """
+    return not isinstance(name, str) or name.startswith(("_", "<axis "))
 
 
 @_internal

@@ -165,8 +165,7 @@ def on_every_device(ok: Any, axis_name: AxisName | None = None, *, what: str) ->
             return ok
         if not _compat.tracks_varying_axes():
             names = manual[0] if len(manual) == 1 else manual
-            # An unnamed `jax.pmap` binds an axis of JAX's own, which no caller can name.
-            unnamed = any(isinstance(name, str) and name.startswith("_") for name in manual)
+            unnamed = any(_compat.is_unnamed_axis(name) for name in manual)
             together = (
                 "name the pmap's axis (jax.pmap(step, axis_name='batch')) and pass that name as axis_name"
                 if unnamed
