@@ -201,6 +201,23 @@ def test_inside_multisteps_a_real_step_is_skipped_iff_a_micro_batch_of_it_overfl
         np.testing.assert_array_equal(w, want_w, err_msg=placement)
 
 
+@pytest.mark.parametrize("jit_init", [False, True], ids=["eager_init", "jitted_init"])
+def test_multisteps_around_the_live_scale_gets_zeros_and_an_unwrapped_one_nan(jit_init):
+    # MultiSteps resets its accumulator by multiplying it by 0, which keeps a
+    # NaN: its init tells the transformation (also when the init is traced),
+    # and amp then hands back zeros and flags the overflow instead.
+    w = _params()
+    grads = {}
+    for wrapped in (False, True):
+        tx = jaxamp.loss_scaling(optax.adam(1e-2))
+        init = optax.MultiSteps(tx, 2).init if wrapped else tx.init
+        (jax.jit(init) if jit_init else init)(w)
+        loss = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx)
+        grads[wrapped] = np.asarray(jax.jit(jax.grad(loss))(w, *_batch(overflow=True)))
+    assert np.all(grads[True] == 0)
+    assert np.all(np.isnan(grads[False]))
+
+
 class _Model(nnx.Module):
     def __init__(self, rngs):
         self.hidden = nnx.Linear(D, 16, rngs=rngs)
