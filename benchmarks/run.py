@@ -111,6 +111,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated measurements to leave out: " + "; ".join(f"'{k}': {v}" for k, v in SKIPPABLE.items()),
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        help="timed warm lowerings per variant and per trace-overhead function (default: 7, 3 with --quick)",
+    )
+    parser.add_argument(
         "--cold-runs",
         type=int,
         help="fresh processes per model and function for the cold trace overhead (default: 3, 2 with --quick)",
@@ -139,7 +144,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=450.0,
         help="seconds after which remaining step-timing runs are skipped (default: 450)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
 
 
 @contextlib.contextmanager
@@ -185,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
     repeats, steps, warmup = (3, 10, 2) if args.quick else (7, 30, 3)
+    if args.repeats is not None:
+        repeats = args.repeats
     cold_runs = args.cold_runs if args.cold_runs is not None else (2 if args.quick else 3)
     if "cold" in args.skip:
         cold_runs = 0

@@ -43,9 +43,10 @@ def _one_variant(workload: Workload, key: str, args: tuple, compile_step: bool) 
     grad_fn = variant.value_and_grad(workload.loss_fn)
     step_args = (variant.init_scaler(), model, *batch)
     res = measure.residuals(variant.wrap(workload.loss_fn), model, *batch)
-    flops = measure.matmul_flops(jax.make_jaxpr(grad_fn)(*step_args))
+    traced = jax.jit(grad_fn).trace(*step_args)  # traced once: its jaxpr for the FLOPs, lowered for the converts
+    flops = measure.matmul_flops(traced.jaxpr)
     total = max(sum(flops.values()), 1)
-    lowered = jax.jit(grad_fn).lower(*step_args)
+    lowered = traced.lower()
     out = {
         "residual_bytes": res.saved_bytes,
         "residual_bytes_by_dtype": res.bytes_by_dtype,

@@ -211,15 +211,18 @@ def test_command_line_is_a_module():
 
 def test_tiny_run_writes_every_target(tmp_path):
     # Compiling and the trace overhead take most of a run's time; they have
-    # their own tests above.
+    # their own tests above. Of the rest, most is lowering every variant's step
+    # (twice each with one timed repeat: the untimed round, then the timed one).
     argv = [
-        "--size", "tiny", "--quick", "--models", "gpt", "--skip", "compiled,trace",
+        "--size", "tiny", "--quick", "--repeats", "1", "--models", "gpt", "--skip", "compiled,trace",
         "--device-label", "test", "--results-dir", str(tmp_path),
         "--results-md", str(tmp_path / "RESULTS.md"),
     ]  # fmt: skip
     returned = run.main(argv)
     results = json.loads((tmp_path / "test.json").read_text())
     assert results["label"] == "test" and set(results["models"]) == {"gpt"}
+    assert results["settings"]["lower_repeats"] == 1 and results["settings"]["steps"] == 10  # --quick's
+    assert all(figures["lower_s"] > 0 for figures in results["models"]["gpt"].values())
     assert results["models"]["gpt"].keys() == returned["models"]["gpt"].keys()
     assert list(results["models"]["gpt"]) == list(VARIANTS)
     amp_fp8 = results["models"]["gpt"]["amp_fp8"]
