@@ -483,13 +483,14 @@ def check_scale_is_live(scale: jax.Array) -> None:
 
 
 def forward_finite(tree: Any) -> jax.Array:
-    """Whether every inexact leaf of `tree` is finite on every device this runs on (forward or backward).
+    """Whether every inexact leaf of `tree` (a forward pass's loss and module state) is finite on every device.
 
     Inside `jax.pmap` or a ``shard_map(check_vma=False)`` each device sees its
     own batch: the answer is reduced over all their mesh axes, so a NaN on one
-    device keeps the module state on all (as `loss_scaling` skips the step on
-    all). Elsewhere `on_every_device` decides, with no collective where the
-    values are global.
+    device keeps the module state on all (statistics synced across devices
+    would otherwise commit it). Elsewhere `on_every_device` decides, with no
+    collective where the values are global. The backward pass's check is each
+    cotangent's own (`unscale_checked_on_backward`).
     """
     ok = local_all_finite(tree)
     manual = _compat.manual_axes()
