@@ -64,3 +64,10 @@ def test_code_block_runs(path, code, line, shown):
             matches = [j for j in range(position, len(printed)) if printed[j].split() == expected.split()]
             assert matches, f"{path.name}:{line}: shown output line {expected!r} not printed:\n{out.getvalue()}"
             position = matches[0] + 1
+
+
+def test_porting_shows_the_maxtext_driver_as_it_is():
+    """docs/porting.md's MaxText driver is examples/maxtext_driver.py's code, which test_maxtext runs."""
+    driver = (ROOT / "examples" / "maxtext_driver.py").read_text()
+    code = driver[driver.index("import os\n") :]
+    assert code in [m.group(2) for m in FENCE.finditer((ROOT / "docs" / "porting.md").read_text())]

@@ -141,8 +141,15 @@ def _bool_loss_masks(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(hax_loss, "maybe_reduce_loss", replacement)
 
 
-def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float], Any]:
-    """`steps` steps of Levanter's Trainer on a tiny Llama, with porting.md's lines for `amp`."""
+def _train_tiny_llama(
+    tmp_path, amp: str | None, steps: int, total: int | None = None, resume: Any = None
+) -> tuple[list[float], Any]:
+    """`steps` steps of Levanter's Trainer on a tiny Llama, with porting.md's lines for `amp`.
+
+    `total`: the run's length (its schedule), where it stops early to be resumed;
+    `resume`: a checkpoint folder it resumes from, through porting.md's restore line.
+    """
+    total = total or steps
     import functools
     from datetime import timedelta
 
@@ -157,8 +164,9 @@ def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float
     config = TrainerConfig(
         id=f"jaxamp-{amp or 'f32'}",
         seed=0,
-        num_train_steps=steps,
+        num_train_steps=total,
         train_batch_size=4,
+        load_checkpoint_path=None if resume is None else str(resume),
         tracker=JsonLoggerConfig(),
         require_accelerator=False,
         log_jaxprs=False,
@@ -169,11 +177,18 @@ def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float
     model_config = LlamaConfig(
         seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2
     )
-    optimizer = AdamConfig(learning_rate=1e-2, weight_decay=0.0, warmup=0.0).build(steps)
+    optimizer = AdamConfig(learning_rate=1e-2, weight_decay=0.0, warmup=0.0).build(total)
     loss_function = functools.partial(compute_next_token_loss, logsumexp_weight=0.0)
     if amp == "f16":  # docs/porting.md's two lines
         optimizer = jaxamp.loss_scaling(optimizer)
         loss_function = jaxamp.amp(loss_function, compute_dtype="f16", loss_scale=optimizer)
+
+    if resume is not None:  # docs/porting.md's line: a checkpoint of either precision resumes
+        import levanter.checkpoint
+
+        levanter.checkpoint.load_checkpoint = jaxamp.scaling.restore_across_loss_scaling(
+            levanter.checkpoint.load_checkpoint, optimizer if amp == "f16" else None
+        )
 
     Vocab = hax.Axis("vocab", 64)
     Batch, Pos = config.TrainBatch, model_config.Pos
@@ -198,7 +213,8 @@ def _train_tiny_llama(tmp_path, amp: str | None, steps: int) -> tuple[list[float
         # The whole TrainerState through Levanter's checkpointer, as its save hook writes it.
         from levanter.checkpoint import load_checkpoint, save_checkpoint
 
-        save_checkpoint(state, step=steps, checkpoint_path=str(tmp_path / "save" / f"step-{steps}"))
+        step = int(state.step)
+        save_checkpoint(state, step=step, checkpoint_path=str(tmp_path / "save" / f"step-{step}"))
         mesh, mapping = trainer.device_mesh, trainer.parameter_axis_mapping
         restored = load_checkpoint(state, str(tmp_path / "save"), axis_mapping=mapping, mesh=mesh)
         _assert_same(restored, state)
@@ -249,3 +265,23 @@ def test_the_port_is_porting_md_lines():
             '+    loss_function = jaxamp.amp(loss_function, compute_dtype="f16", loss_scale=optimizer)',
         ]
     )
+
+
+def test_levanter_resumes_float32_checkpoints_in_float16_and_back(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("levanter")
+    import levanter.checkpoint
+
+    _bool_loss_masks(monkeypatch)
+    monkeypatch.setattr(levanter.checkpoint, "load_checkpoint", levanter.checkpoint.load_checkpoint)
+    uninterrupted, _ = _train_tiny_llama(tmp_path / "all", None, 6)
+    first, _ = _train_tiny_llama(tmp_path / "f32", None, 2, total=6)
+    with caplog.at_level(logging.WARNING, logger="jaxamp"):
+        second, state = _train_tiny_llama(tmp_path / "f16", "f16", 2, total=6, resume=tmp_path / "f32" / "save")
+        assert int(state.step) == 4 and isinstance(state.opt_state, jaxamp.LossScaleState)
+        third, state = _train_tiny_llama(tmp_path / "back", None, 2, total=6, resume=tmp_path / "f16" / "save")
+    assert int(state.step) == 6 and not isinstance(state.opt_state, jaxamp.LossScaleState)
+    said = [r.getMessage() for r in caplog.records if r.name == "jaxamp"]
+    assert len(said) == 2 and "written without" in said[0] and "written with loss" in said[1]
+    print("uninterrupted", uninterrupted, "legs", first + second + third)
+    np.testing.assert_array_equal(first, uninterrupted[:2])
+    np.testing.assert_allclose(second + third, uninterrupted[2:], rtol=5e-3)

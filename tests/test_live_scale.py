@@ -278,6 +278,28 @@ def test_the_first_step_after_a_restore_overflowing_at_the_initial_scale_keeps_t
     assert np.any(new_w != w) and _scale(opt_state) == 2.0**3
 
 
+@pytest.mark.newest_only
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_restored_through_restore_across_loss_scaling_the_first_step_runs_at_the_restored_scale(wrapped):
+    w = _params()
+    inner = (lambda tx: optax.MultiSteps(tx, 1)) if wrapped else (lambda tx: tx)
+    written = inner(jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**3)).init(w)
+    tx = inner(jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**24))  # a new process: the initial scale
+    target = {"opt_state": jax.eval_shape(tx.init, w)}
+    restore = jaxamp.scaling.restore_across_loss_scaling(lambda target: {"opt_state": written}, tx)
+    restored = restore(target)["opt_state"]
+    step = _stepper(tx, tx)
+    x, y = _batch()
+    new_w, opt_state, _ = step(w, restored, x, y * 300.0)  # overflows float16 at 2**24, not at 2**3
+    assert np.any(new_w != w), "the first step after the restore was skipped"
+    assert (_scale(opt_state), _skipped(opt_state)) == (2.0**3, 0)
+    # A fresh init starts at the initial scale again.
+    fresh = tx.init(w)
+    new_w, opt_state, _ = step(w, fresh, x, y * 300.0)
+    np.testing.assert_array_equal(new_w, w)
+    assert (_scale(opt_state), _skipped(opt_state)) == (2.0**23, 1)
+
+
 def test_inside_multisteps_a_stale_overflow_after_a_restore_skips_its_real_step():
     w = _params()
     restored = optax.MultiSteps(jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**3), 2).init(w)

@@ -1,9 +1,11 @@
 """A flax nnx run changes precision across an Orbax checkpoint: float32 -> float16 -> float32.
 
 The float32 run saves the model's and the optimizer's state as nnx's pure
-dicts; a float16 run resumes from it under `jaxamp.loss_scaling`
-(`with_loss_scaling_state`: one public call), trains and saves; a float32
-run resumes from that (`without_loss_scaling_state`). Each leg's losses are
+dicts; a float16 run resumes from it under `jaxamp.loss_scaling`, trains and
+saves; a float32 run resumes from that. Every leg restores through one
+driver function, Orbax's restore wrapped in
+`jaxamp.scaling.restore_across_loss_scaling` (one public line), which also
+resumes the float16 run's own checkpoint unchanged. Each leg's losses are
 compared with the uninterrupted float32 run's: float16's within its
 tolerance, the last float32 leg's too (it starts from float16-trained
 weights). The optimizer's step count and adam's moments carry through.
@@ -17,7 +19,6 @@ import pytest
 from flax import nnx
 
 import jaxamp
-from jaxamp.scaling import with_loss_scaling_state, without_loss_scaling_state
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -80,13 +81,19 @@ def _load(node, pure_dict):
     nnx.update(node, state)
 
 
-def _restore_into(checkpointer, path, model, target):
-    restored = checkpointer.restore(path, target)
+def _pure(model, optimizer):
+    return {"model": nnx.to_pure_dict(nnx.state(model)), "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+
+
+def _resume(checkpointer, path, model, optimizer, tx):
+    """One driver for every leg: its restore takes a checkpoint written with or without loss scaling."""
+    restore = jaxamp.scaling.restore_across_loss_scaling(checkpointer.restore, tx)
+    restored = restore(path, _pure(model, optimizer))
     _load(model, restored["model"])
-    return restored
+    _load(optimizer, restored["optimizer"])
 
 
-def test_float32_to_float16_and_back_across_orbax_checkpoints(tmp_path):
+def test_float32_to_float16_and_back_across_orbax_checkpoints(tmp_path, caplog):
     adam = optax.adam(3e-3)
     tx = jaxamp.loss_scaling(adam)
 
@@ -100,30 +107,37 @@ def test_float32_to_float16_and_back_across_orbax_checkpoints(tmp_path):
         first = _train(_step32, model, optimizer, 0)
         _save(checkpointer, tmp_path / "f32", model, optimizer)
 
-        # float32 -> float16: the checkpoint restored as written, the scale put around its optimizer state.
+        # float32 -> float16: the optimizer state wrapped at tx's initial scale.
         model, optimizer = _fresh(tx)
-        target = without_loss_scaling_state(
-            {"model": nnx.to_pure_dict(nnx.state(model)), "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
-        )
-        restored = _restore_into(checkpointer, tmp_path / "f32", model, target)
-        _load(optimizer, with_loss_scaling_state(restored, tx)["optimizer"])
+        with caplog.at_level("WARNING", logger="jaxamp"):
+            _resume(checkpointer, tmp_path / "f32", model, optimizer, tx)
+        assert "written without loss scaling" in caplog.text
         assert int(optimizer.step[...]) == STEPS
+        assert float(optimizer.opt_state.scale[...]) == 2.0**15
         second = _train(_step16, model, optimizer, STEPS)
         assert int(jaxamp.scaling.scale_metrics(optimizer.opt_state)["skipped_steps"]) == 0
         _save(checkpointer, tmp_path / "f16", model, optimizer)
+        saved = _pure(model, optimizer)
 
-        # float16 -> float32: the loss-scaled checkpoint restored as written, the scale taken out.
+        # The float16 driver resumes its own checkpoint as written, saying nothing.
+        caplog.clear()
+        model, optimizer = _fresh(tx)
+        with caplog.at_level("WARNING", logger="jaxamp"):
+            _resume(checkpointer, tmp_path / "f16", model, optimizer, tx)
+        assert caplog.text == ""
+        for a, b in zip(jax.tree_util.tree_leaves(_pure(model, optimizer)), jax.tree_util.tree_leaves(saved)):
+            np.testing.assert_array_equal(a, b)
+
+        # float16 -> float32: the loss scaling taken out.
         model, optimizer = _fresh(adam)
-        scaled_model, scaled_optimizer = _fresh(tx)
-        target = {
-            "model": nnx.to_pure_dict(nnx.state(scaled_model)),
-            "optimizer": nnx.to_pure_dict(nnx.state(scaled_optimizer)),
-        }
-        restored = _restore_into(checkpointer, tmp_path / "f16", model, target)
-        _load(optimizer, without_loss_scaling_state(restored)["optimizer"])
+        with caplog.at_level("WARNING", logger="jaxamp"):
+            _resume(checkpointer, tmp_path / "f16", model, optimizer, None)
+        assert "written with loss scaling" in caplog.text
         assert int(optimizer.step[...]) == 2 * STEPS
         third = _train(_step32, model, optimizer, 2 * STEPS)
 
+    print("losses, uninterrupted float32:", np.round(uninterrupted, 5).tolist())
+    print("losses, float32 -> float16 -> float32:", np.round(first + second + third, 5).tolist())
     np.testing.assert_array_equal(first, uninterrupted[:STEPS])  # the same program, the same numbers
     np.testing.assert_allclose(second, uninterrupted[STEPS : 2 * STEPS], rtol=F16_RTOL)
     np.testing.assert_allclose(third, uninterrupted[2 * STEPS :], rtol=F16_RTOL)

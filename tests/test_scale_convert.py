@@ -8,6 +8,7 @@ restore targets, ``optax.MultiSteps`` around the wrapper, and errors that name
 what they were given.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +192,85 @@ def test_errors_name_what_they_were_given():
     multi = optax.MultiSteps(jaxamp.loss_scaling(opt), every_k_schedule=2)
     with pytest.raises(ValueError, match=r"\.inner_opt_state of its state, which this optimizer state lacks"):
         with_loss_scaling_state(plain, multi)
+
+
+def _checkpoint_of(written):
+    """A restore function over one written tree that, as Orbax does, refuses a target of another structure."""
+
+    def load_state(step, target, verbose=False):
+        if not _same_structure(target, written):
+            raise ValueError("restore target does not match the checkpoint's tree structure")
+        # What a framework's restore returns: the state, and something beside it.
+        return {"items": written}, None
+
+    return load_state
+
+
+def test_restore_across_loss_scaling_converts_either_way_and_resumes_its_own(caplog):
+    opt = optax.adam(1e-2)
+    tx = jaxamp.loss_scaling(opt, scaler=2.0**10)
+    _, plain = _trained(opt)
+    _, scaled = _trained(tx)
+    plain_target = {"params": _params(), "opt_state": jax.eval_shape(opt.init, _params())}
+    scaled_target = {"params": _params(), "opt_state": jax.eval_shape(tx.init, _params())}
+
+    load_plain = jaxamp.scaling.restore_across_loss_scaling(
+        _checkpoint_of({"params": _params(), "opt_state": plain}), tx
+    )
+    with caplog.at_level("WARNING", logger="jaxamp"):
+        (restored, beside) = load_plain(7, target=scaled_target)
+    assert beside is None and "written without loss scaling" in caplog.text
+    state = restored["items"]["opt_state"]
+    assert isinstance(state, jaxamp.LossScaleState) and float(state.scale) == 2.0**10
+    _assert_equal(state.inner_state, plain)
+
+    load_scaled = _checkpoint_of({"params": _params(), "opt_state": scaled})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxamp"):
+        (own, _) = jaxamp.scaling.restore_across_loss_scaling(load_scaled, tx)(7, scaled_target)
+        (back, _) = jaxamp.scaling.restore_across_loss_scaling(load_scaled)(7, plain_target)
+    _assert_equal(own["items"]["opt_state"], scaled)  # as written: the scale it had, not tx's initial one
+    _assert_equal(back["items"]["opt_state"], scaled.inner_state)
+    assert len(caplog.records) == 1 and "written with loss scaling" in caplog.text
+    assert load_plain.__name__ == "load_state"
+
+
+def test_restore_across_loss_scaling_takes_a_factory_and_says_what_is_wrong():
+    opt = optax.adam(1e-2)
+    factory = jaxamp.scaling.loss_scaling_factory(lambda: opt, scaler=2.0**9)
+    plain = opt.init(_params())
+    assert float(with_loss_scaling_state(plain, factory).scale) == 2.0**9
+    (restored, _) = jaxamp.scaling.restore_across_loss_scaling(_checkpoint_of({"opt_state": plain}), factory)(
+        0, {"opt_state": jax.eval_shape(factory().init, _params())}
+    )
+    assert float(restored["items"]["opt_state"].scale) == 2.0**9
+
+    scaled_target = {"opt_state": jax.eval_shape(factory().init, _params())}
+    with pytest.raises(TypeError, match="target holds jaxamp.loss_scaling's state.*pass the run's transformation"):
+        jaxamp.scaling.restore_across_loss_scaling(_checkpoint_of({"opt_state": plain}))(0, scaled_target)
+    with pytest.raises(TypeError, match=r"called with 0 arguments holding an optimizer state \(none\)"):
+        jaxamp.scaling.restore_across_loss_scaling(_checkpoint_of({"opt_state": plain}))(0, {"w": 1.0})
+    with pytest.raises(TypeError, match="expects the function that restores a checkpoint, got str"):
+        jaxamp.scaling.restore_across_loss_scaling("restore")
+    # Neither form fits (another optimizer's checkpoint): the first error, as the restore raised it.
+    sgd_state = optax.sgd(1e-2, momentum=0.9).init(_params())
+    with pytest.raises(ValueError, match="does not match the checkpoint"):
+        jaxamp.scaling.restore_across_loss_scaling(_checkpoint_of({"opt_state": sgd_state}), factory)(0, scaled_target)
+
+
+def test_an_equinox_training_state_with_its_own_init_is_converted_at_its_opt_state():
+    class TrainerState(eqx.Module):  # as Levanter's: fields its __init__ does not take as given
+        step: jax.Array
+        opt_state: object
+        optimizer: object = eqx.field(static=True)
+
+        def __init__(self, opt_state, optimizer, step=0):
+            self.step, self.opt_state, self.optimizer = jnp.asarray(step), opt_state, optimizer
+
+    opt = optax.adam(1e-2)
+    tx = jaxamp.loss_scaling(opt)
+    plain = TrainerState(opt.init(_params()), opt, step=3)
+    scaled = with_loss_scaling_state(plain, tx)
+    assert isinstance(scaled.opt_state, jaxamp.LossScaleState) and int(scaled.step) == 3
+    _assert_equal(scaled.opt_state.inner_state, plain.opt_state)
+    assert _same_structure(without_loss_scaling_state(scaled), plain)

@@ -28,14 +28,15 @@ is not optax's.
 `with_loss_scaling_state` and `without_loss_scaling_state` convert an
 optimizer state (anywhere in a training state or checkpoint tree) between a
 plain optimizer's and `loss_scaling`'s, so a checkpoint written without loss
-scaling resumes with it, and back.
+scaling resumes with it, and back; `restore_across_loss_scaling` puts them
+around a framework's restore function.
 
 `loss_scaling`, the scalers, the jmp loss scales, `all_finite` and `select_tree` are also at
 the top level (`jaxamp.DynamicScalerState`...). The guide is
 docs/loss_scaling.md.
 """
 
-from ._convert import with_loss_scaling_state, without_loss_scaling_state
+from ._convert import restore_across_loss_scaling, with_loss_scaling_state, without_loss_scaling_state
 from ._dynamic_scaler import (
     DynamicLossScaler,
     DynamicScalerState,
@@ -79,6 +80,7 @@ __all__ = [
     "loss_scaling_factory",
     "record_scale_metrics",
     "register_empty_pytree",
+    "restore_across_loss_scaling",
     "scale_metrics",
     "select_tree",
     "skip_nonfinite_updates",

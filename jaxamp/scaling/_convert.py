@@ -14,23 +14,35 @@ two forms a `LossScaleState` takes: the NamedTuple optax builds, or the dict of
 its fields (``{"inner_state": ..., "scaler_state": {...}, "last_finite": ...,
 "step_finite": ...}``) that nnx's state and checkpoint layouts write. Leaves
 may be arrays or abstract (``jax.ShapeDtypeStruct``, for a restore target).
+
+`restore_across_loss_scaling` puts both around a framework's restore function,
+so a driver changes precision across a checkpoint in one line and still
+resumes its own checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from ._dynamic_scaler import DynamicScalerState
-from ._live_scale import replicated_like
-from ._loss_scaling import LossScaleState
+from ._live_scale import find_live_scale, replicated_like
+from ._loss_scaling import LossScaleState, loss_scaling
 
-__all__ = ["with_loss_scaling_state", "without_loss_scaling_state"]
+__all__ = ["restore_across_loss_scaling", "with_loss_scaling_state", "without_loss_scaling_state"]
+
+T = TypeVar("T")
+_LOG = logging.getLogger("jaxamp")
 
 _FIELDS = frozenset(LossScaleState._fields)
 # Where an optimizer state sits in a training state: flax TrainState's field,
@@ -109,8 +121,9 @@ def with_loss_scaling_state(tree: Any, tx: Any) -> Any:
     Args:
         tree: the training or optimizer state, written without loss scaling.
         tx: the ``jaxamp.loss_scaling(opt)`` transformation the run will use
-            (or a wrapper around it); ``opt`` must be the optimizer whose state
-            `tree` holds.
+            (or a wrapper around it, or the function
+            `jaxamp.scaling.loss_scaling_factory` made); ``opt`` must be the
+            optimizer whose state `tree` holds.
 
     Raises:
         TypeError: `tx` is not a gradient transformation holding one
@@ -119,6 +132,7 @@ def with_loss_scaling_state(tree: Any, tx: Any) -> Any:
             than one ``opt_state``, or the state is not shaped like ``tx``'s
             at the wrapper's place.
     """
+    tx = getattr(tx, "_jaxamp_loss_scaling", tx)  # a loss_scaling_factory's function
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(
             "jaxamp.scaling.with_loss_scaling_state: tx must be the jaxamp.loss_scaling(optimizer) "
@@ -178,6 +192,9 @@ def _locate(tree: Any) -> list[tuple] | None:
                     visit(v, (*path, jax.tree_util.DictKey(k)))
         elif dataclasses.is_dataclass(x) and not isinstance(x, type) and hasattr(x, _OPT_STATE):
             found.append((*path, jax.tree_util.GetAttrKey(_OPT_STATE)))
+        elif type(x) in (tuple, list):  # what a restore function returns beside the state
+            for i, v in enumerate(x):
+                visit(v, (*path, jax.tree_util.SequenceKey(i)))
 
     visit(tree, ())
     if len(found) > 1:
@@ -212,6 +229,8 @@ def _replace_at(x: Any, path: tuple, fn: Any) -> Any:
         return type(x)(out) if type(x) is not dict else out
     if isinstance(key, jax.tree_util.GetAttrKey):
         new = _replace_at(getattr(x, key.name), rest, fn)
+        if isinstance(x, eqx.Module):  # its __init__ may not take its fields (Levanter's TrainerState)
+            return eqx.tree_at(lambda m: getattr(m, key.name), x, new, is_leaf=lambda v: v is None)
         if hasattr(x, "_replace"):
             return x._replace(**{key.name: new})
         if hasattr(x, "replace"):  # flax struct dataclasses (TrainState)
@@ -280,3 +299,157 @@ def _place(fresh: tuple, like: Any) -> tuple:
     if replicated is None:
         return jax.tree_util.tree_map(jnp.asarray, fresh)
     return jax.tree_util.tree_map(lambda v: jax.device_put(np.asarray(v), replicated), fresh)
+
+
+def _holds_loss_scaling(tree: Any) -> bool:
+    return any(_is_wrapped(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_wrapped))
+
+
+def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Callable[..., T]:
+    """`restore`, a framework's restore function, made to take checkpoints written with or without loss scaling.
+
+    `restore` is called with a restore target among its arguments, the one
+    holding an optimizer state (MaxText's ``checkpointing.load_state_if_possible``
+    and its ``abstract_unboxed_pre_state``, Levanter's ``load_checkpoint`` and
+    its ``tree``), and returns what it restored. The returned function calls it
+    as given first, so a run resumes its own checkpoints as before. Where that
+    fails and the target holds `loss_scaling`'s state, it restores into the
+    target without it and wraps the optimizer state in the result with `tx`'s
+    initial scale (`with_loss_scaling_state`): a checkpoint of a float32 or
+    bfloat16 run resumes in float16. Where the target holds none, it restores
+    into the target with it and takes it out of the result
+    (`without_loss_scaling_state`): a float16 run's checkpoint resumes without
+    loss scaling. Either conversion is logged once per call (logger
+    ``"jaxamp"``); where the second try fails too, the first error is raised.
+
+    Where amp reads `tx`'s live scale (``loss_scale=tx``, a framework's
+    loop), the scale of the state restored is set as that live scale, so the
+    first step after a restore runs at it, not at the initial scale (where it
+    could overflow and be skipped).
+
+    For a framework that looks the function up at call time, one line::
+
+        checkpointing.load_state_if_possible = jaxamp.scaling.restore_across_loss_scaling(
+            checkpointing.load_state_if_possible, optimizers.get_optimizer)
+
+    Args:
+        restore: the function that restores into a target it is given.
+        tx: the run's `jaxamp.loss_scaling` transformation, or the function
+            `loss_scaling_factory` made, whose initial scale a converted state
+            starts at. None in a run without loss scaling (where a float16
+            run's checkpoint is read, its wrapper is taken to be
+            `loss_scaling`'s around the whole optimizer; pass the
+            transformation that run used where it sat elsewhere, inside
+            ``optax.MultiSteps``).
+
+    Returns:
+        A function with `restore`'s signature and name.
+
+    Raises:
+        TypeError: `restore` is not callable; when called, no argument or more
+            than one holds an optimizer state, or the target holds loss
+            scaling and `tx` is None.
+    """
+    if not callable(restore):
+        raise TypeError(
+            "jaxamp.scaling.restore_across_loss_scaling expects the function that restores a checkpoint, "
+            f"got {_describe(restore)}."
+        )
+
+    @functools.wraps(restore)
+    def restore_either(*args: Any, **kwargs: Any) -> T:
+        bound = _bound(restore, args, kwargs)
+        name = _target_name(restore, bound)
+        target = bound.arguments[name]
+        scaled = _holds_loss_scaling(target)
+        if scaled and tx is None:
+            raise TypeError(
+                f"jaxamp.scaling.restore_across_loss_scaling: {name} holds jaxamp.loss_scaling's state, so a "
+                "checkpoint written without it is wrapped with the run's initial scale: pass the run's "
+                "transformation (or the loss_scaling_factory function) as tx."
+            )
+        try:
+            restored = restore(*args, **kwargs)
+        except Exception as first:  # noqa: BLE001  (a framework's restore raises its own kinds)
+            # The target in the other form; where it cannot take one (or the restore
+            # fails again: no checkpoint at all), the first error is the one to see.
+            try:
+                if scaled:
+                    converted, written = without_loss_scaling_state(target), "without"
+                else:
+                    converted, written = (
+                        with_loss_scaling_state(target, _default_loss_scaling() if tx is None else tx),
+                        "with",
+                    )
+                bound.arguments[name] = converted
+                restored = restore(*bound.args, **bound.kwargs)
+            except Exception:  # noqa: BLE001
+                raise first from None
+        else:
+            _follow(tx, restored)
+            return restored
+        _LOG.warning(
+            "jaxamp.scaling.restore_across_loss_scaling: %s restored a checkpoint written %s loss scaling; "
+            "its optimizer state was converted (%s).",
+            getattr(restore, "__qualname__", "restore"),
+            written,
+            "wrapped at the initial loss scale" if scaled else "loss scaling taken out",
+        )
+        if not scaled:
+            return without_loss_scaling_state(restored)
+        converted = with_loss_scaling_state(restored, tx)
+        _follow(tx, converted)
+        return converted
+
+    return restore_either
+
+
+def _follow(tx: Any, restored: Any) -> None:
+    """Set `tx`'s live scale to the one loss scale `restored` holds, where it holds one, concrete."""
+    live = None if tx is None else find_live_scale(tx)
+    found = [x for x in jax.tree_util.tree_leaves(restored, is_leaf=_is_wrapped) if _is_wrapped(x)]
+    if live is None or len(found) != 1:
+        return
+    scaler = found[0].scaler_state if isinstance(found[0], LossScaleState) else found[0]["scaler_state"]
+    fields = [
+        scaler[k] if isinstance(scaler, Mapping) else getattr(scaler, k) for k in ("scaler", "count", "total_resets")
+    ]
+    if any(isinstance(f, (jax.ShapeDtypeStruct, jax.core.Tracer)) for f in fields):
+        return
+    live.follow(*(np.asarray(jnp.asarray(f)) for f in fields))
+
+
+def _bound(fn: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    try:
+        return inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        # No signature to bind by (a builtin): the arguments by position and name.
+        params = [inspect.Parameter(f"arg{i}", inspect.Parameter.POSITIONAL_ONLY) for i in range(len(args))]
+        params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs]
+        return inspect.Signature(params).bind(*args, **kwargs)
+
+
+def _target_name(fn: Callable[..., Any], bound: inspect.BoundArguments) -> str:
+    """The name of the one argument holding an optimizer state (or loss scaling): the restore target."""
+    names = [
+        name
+        for name, value in bound.arguments.items()
+        if _holds_loss_scaling(value) or (_is_tree(value) and _locate(value) is not None)
+    ]
+    if len(names) != 1:
+        raise TypeError(
+            f"jaxamp.scaling.restore_across_loss_scaling: {getattr(fn, '__qualname__', fn)!s} was called with "
+            f"{len(names)} arguments holding an optimizer state ({', '.join(names) or 'none'}); it needs "
+            "exactly one, the restore target (a tree with an opt_state entry or field)."
+        )
+    return names[0]
+
+
+def _is_tree(x: Any) -> bool:
+    return isinstance(x, (Mapping, tuple, list)) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
+
+
+@functools.lru_cache(maxsize=1)
+def _default_loss_scaling() -> Any:
+    """`loss_scaling` around a whole optimizer, default schedule: the wrapper's place and fields in a state."""
+    return loss_scaling(optax.identity())

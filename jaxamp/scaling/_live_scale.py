@@ -62,6 +62,8 @@ class LiveScale:
         self.zeros_on_overflow = False
         self._warned_foreign = False
         self._traced = False  # a trace has closed over the cells: they stay where they are
+        # A restored state's scale, count and resets (`follow`): the cells start from them.
+        self._followed: dict[str, Any] = {}
         # Made at first need, not here: an optimizer built before
         # `jax.distributed.initialize` (a driver's import-time patch) must not
         # start JAX's backends.
@@ -86,7 +88,7 @@ class LiveScale:
             "last_scale": np.float32(-1.0),
             "last_count": np.int32(-1),
             "last_resets": np.int32(-1),
-        }
+        } | self._followed
 
     def _make(self, sharding: Any) -> dict[str, Any]:
         def cell(value: Any) -> Any:
@@ -106,6 +108,7 @@ class LiveScale:
         """
         if self.initial_scale is None or _compat.staging() or _compat.mapped():
             return  # traced params (an init under jit or vmap) leave the cells as they are
+        self._followed = {}  # a fresh state: the initial scale
         sharding = replicated_like(params)
         if self._cells is not None and _devices(self._cells) == _devices_of(sharding):
             for name, value in self._initial_values().items():
@@ -113,6 +116,24 @@ class LiveScale:
             return
         self._cells = self._make(sharding)
         self._traced = False  # new cells: no compiled step holds these
+
+    def follow(self, scale: Any, count: Any, resets: Any) -> None:
+        """A state restored from a checkpoint (eagerly): amp's next step runs at its scale, the update steers by it.
+
+        As if this transformation's last update had made it: the first step
+        after a restore runs at the restored scale, not the initial one.
+        """
+        if self.initial_scale is None or _compat.staging():
+            return
+        self._followed = {
+            "scale": np.float32(scale),
+            "last_scale": np.float32(scale),
+            "last_count": np.int32(count),
+            "last_resets": np.int32(resets),
+        }
+        if self._cells is not None:
+            for name, value in self._initial_values().items():
+                self._cells[name][...] = jax.device_put(value, self._cells[name].sharding)
 
     def cells(self) -> dict[str, Any]:
         """The cells, made at first need; inside a trace, on the devices of the mesh it runs under."""

@@ -214,6 +214,8 @@ def loss_scaling_factory(
         return _scaled(inner, *settings)
 
     build._jaxamp_live_scale = settings[2]  # type: ignore[attr-defined]
+    # What `with_loss_scaling_state` reads the initial scale and the wrapper's place from.
+    build._jaxamp_loss_scaling = _scaled(check_optimizer(optax.identity(), "loss_scaling_factory"), *settings)  # type: ignore[attr-defined]
     return build
 
 
