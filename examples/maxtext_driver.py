@@ -14,6 +14,7 @@ import os
 
 os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # MaxText without the Google Cloud clients
 
+import jax
 import jax.numpy as jnp
 from absl import app
 from flax import nnx
@@ -37,6 +38,7 @@ checkpointing.load_state_if_possible = jaxamp.scaling.restore_across_loss_scalin
 )
 
 _train_step = train.train_step
+monitor = jaxamp.scaling.LossScaleMonitor()  # warns where the scale collapses or most steps are skipped
 
 
 def train_step(model, *args, **kwargs):  # the scale and both kinds of skipped step in MaxText's metrics
@@ -45,6 +47,7 @@ def train_step(model, *args, **kwargs):  # the scale and both kinds of skipped s
     if not isinstance(opt_state, jaxamp.LossScaleState):
         return state, metrics
     scale = jaxamp.scaling.scale_metrics(opt_state)
+    jax.debug.callback(monitor.update, scale)
     overflowed = jnp.logical_not(scale["last_step_finite"])
     spiked = jnp.asarray(opt_state.inner_state["is_skipped"]) if "is_skipped" in opt_state.inner_state else False
     scalar = metrics["scalar"]

@@ -142,12 +142,20 @@ def _bool_loss_masks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _train_tiny_llama(
-    tmp_path, amp: str | None, steps: int, total: int | None = None, resume: Any = None
+    tmp_path,
+    amp: str | None,
+    steps: int,
+    total: int | None = None,
+    resume: Any = None,
+    nan_at: int | None = None,
+    crash_on_nan: bool = True,
 ) -> tuple[list[float], Any]:
     """`steps` steps of Levanter's Trainer on a tiny Llama, with porting.md's lines for `amp`.
 
     `total`: the run's length (its schedule), where it stops early to be resumed;
-    `resume`: a checkpoint folder it resumes from, through porting.md's restore line.
+    `resume`: a checkpoint folder it resumes from, through porting.md's restore line;
+    `nan_at`: the step given a bad batch (all tokens 0, as marked), whose loss and gradients are NaN;
+    `crash_on_nan`: Levanter's ``crash_on_nan`` and ``crash_on_inf``.
     """
     total = total or steps
     import functools
@@ -167,6 +175,8 @@ def _train_tiny_llama(
         num_train_steps=total,
         train_batch_size=4,
         load_checkpoint_path=None if resume is None else str(resume),
+        crash_on_nan=crash_on_nan,
+        crash_on_inf=crash_on_nan,
         tracker=JsonLoggerConfig(),
         require_accelerator=False,
         log_jaxprs=False,
@@ -179,6 +189,13 @@ def _train_tiny_llama(
     )
     optimizer = AdamConfig(learning_rate=1e-2, weight_decay=0.0, warmup=0.0).build(total)
     loss_function = functools.partial(compute_next_token_loss, logsumexp_weight=0.0)
+    if nan_at is not None:
+        next_token_loss = loss_function
+
+        def loss_function(model, example, **kwargs):  # bad data: NaN, gradients too
+            bad = jnp.all(example.tokens.array == 0)
+            return next_token_loss(model, example, **kwargs) * jnp.where(bad, jnp.nan, 1.0)
+
     if amp == "f16":  # docs/porting.md's two lines
         optimizer = jaxamp.loss_scaling(optimizer)
         loss_function = jaxamp.amp(loss_function, compute_dtype="f16", loss_scale=optimizer)
@@ -194,6 +211,7 @@ def _train_tiny_llama(
     Batch, Pos = config.TrainBatch, model_config.Pos
     tokens = hax.random.randint(jax.random.PRNGKey(1), (Batch, Pos), 0, Vocab.size)
     example = hax.vmap(LmExample.causal, Batch)(tokens)
+    bad = hax.vmap(LmExample.causal, Batch)(hax.zeros_like(tokens))
     losses = []
     with Trainer(config, optimizer, loss_function) as trainer:
         if amp == "f16":  # docs/porting.md's hook: the scale in Levanter's tracker, and the monitor's warnings
@@ -206,8 +224,8 @@ def _train_tiny_llama(
         state = trainer.initial_state(
             jax.random.PRNGKey(0), model_init=lambda: model_config.build(Vocab, key=jax.random.PRNGKey(2))
         )
-        for _ in range(steps):
-            info = trainer.train_step(state, example)
+        for i in range(steps):
+            info = trainer.train_step(state, bad if i == nan_at else example)
             state = info.state
             losses.append(float(info.loss))
         # The whole TrainerState through Levanter's checkpointer, as its save hook writes it.
@@ -285,3 +303,17 @@ def test_levanter_resumes_float32_checkpoints_in_float16_and_back(tmp_path, monk
     print("uninterrupted", uninterrupted, "legs", first + second + third)
     np.testing.assert_array_equal(first, uninterrupted[:2])
     np.testing.assert_allclose(second + third, uninterrupted[2:], rtol=5e-3)
+
+
+def test_a_nan_batch_stops_levanter_unless_crash_on_nan_is_off_then_loss_scaling_skips_it(tmp_path, monkeypatch):
+    pytest.importorskip("levanter")
+    _bool_loss_masks(monkeypatch)
+    with pytest.raises(RuntimeError, match="Loss is NaN"):  # Levanter's default: the run stops
+        _train_tiny_llama(tmp_path / "crash", "f16", 3, nan_at=1)
+    f32, _ = _train_tiny_llama(tmp_path / "f32", None, 2, total=3)
+    losses, state = _train_tiny_llama(tmp_path / "skip", "f16", 3, nan_at=1, crash_on_nan=False)
+    # The NaN step skipped (the scale halved, counted), then training goes on where it was.
+    assert np.isnan(losses[1]) and int(state.opt_state.scaler_state.total_resets) == 1
+    assert float(state.opt_state.scaler_state.scaler) == 2.0**14
+    print("float32", f32, "float16 with a NaN batch at step 1", losses)
+    np.testing.assert_allclose([losses[0], losses[2]], f32, rtol=5e-3)

@@ -42,8 +42,9 @@ DRIVER = """
 import functools, json, os, runpy, sys
 os.environ["PRECISION"] = sys.argv[1]
 import jaxamp
-if sys.argv[1] == "f16":  # started at a scale that overflows
+if sys.argv[1] == "f16":  # started at a scale that overflows, a monitor that warns after 4 steps
     jaxamp.scaling.loss_scaling_factory = functools.partial(jaxamp.scaling.loss_scaling_factory, scaler=2.0**24)
+    jaxamp.scaling.LossScaleMonitor = functools.partial(jaxamp.scaling.LossScaleMonitor, window=4)
 runpy.run_path(sys.argv[4])
 import maxtext
 from maxtext.common import metric_logger
@@ -88,7 +89,7 @@ def _run(mode, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line[len("RESULT ") :])
+    return {**json.loads(line[len("RESULT ") :]), "stderr": done.stderr}
 
 
 def test_maxtext_float16_two_driver_lines_skip_overflows_and_follow_float32(tmp_path):
@@ -106,6 +107,9 @@ def test_maxtext_float16_two_driver_lines_skip_overflows_and_follow_float32(tmp_
     assert all(math.isnan(n) for n in f16["grad_norms"][:skipped]), f16["grad_norms"]
     for late, want in zip(f16["grad_norms"][skipped:], f32["grad_norms"]):
         assert abs(late / want - 1) < 2e-2, (f16["grad_norms"], f32["grad_norms"])
+    # The driver's monitor (a window of 4 steps here) warns from inside MaxText's jitted step.
+    assert "of the last 4 steps were skipped" in f16["stderr"]
+    assert "steps were skipped" not in f32["stderr"]
 
 
 def test_maxtext_changes_precision_across_its_checkpoints_and_resumes_its_own(tmp_path):

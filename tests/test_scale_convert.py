@@ -248,7 +248,12 @@ def test_restore_across_loss_scaling_takes_a_factory_and_says_what_is_wrong():
     scaled_target = {"opt_state": jax.eval_shape(factory().init, _params())}
     with pytest.raises(TypeError, match="target holds jaxamp.loss_scaling's state.*pass the run's transformation"):
         jaxamp.scaling.restore_across_loss_scaling(_checkpoint_of({"opt_state": plain}))(0, scaled_target)
-    with pytest.raises(TypeError, match=r"called with 0 arguments holding an optimizer state \(none\)"):
+    with pytest.raises(TypeError, match=r"called with 2 arguments holding an optimizer state \(step, target\)"):
+        jaxamp.scaling.restore_across_loss_scaling(_checkpoint_of({"opt_state": plain}))(
+            {"opt_state": plain}, {"opt_state": plain}
+        )
+    # Nothing to convert (parameters alone): passed through, its error as it is.
+    with pytest.raises(ValueError, match="does not match"):
         jaxamp.scaling.restore_across_loss_scaling(_checkpoint_of({"opt_state": plain}))(0, {"w": 1.0})
     with pytest.raises(TypeError, match="expects the function that restores a checkpoint, got str"):
         jaxamp.scaling.restore_across_loss_scaling("restore")

@@ -426,3 +426,65 @@ def test_the_scale_in_tunix_logs_through_its_training_hooks_and_a_collapse_is_wa
     floored.with_loss_fn(overflowing)
     with pytest.warns(UserWarning, match="the loss scale is at its floor"):
         floored.train(sft_batches(2))
+
+
+def sft_trainer(directory, max_steps: int, optimizer) -> peft_trainer.PeftTrainer:
+    """A PeftTrainer on a fresh ToyTransformer, two micro-batches a step, checkpointing each step.
+
+    Float16 where `optimizer` is a `jaxamp.loss_scaling` (docs/porting.md's two lines).
+    """
+    model = toy()
+    if isinstance(optimizer.init(nnx.state(model, nnx.Param)), jaxamp.LossScaleState):
+        jaxamp.amp_module(model, compute_dtype="f16", loss_scale=optimizer)
+    config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=100,
+        max_steps=max_steps,
+        gradient_accumulation_steps=2,
+        checkpoint_root_directory=str(directory),
+        checkpointing_options=ocp.CheckpointManagerOptions(
+            save_interval_steps=1, max_to_keep=1, enable_async_checkpointing=False
+        ),
+    )
+    return peft_trainer.PeftTrainer(model, optimizer, config)
+
+
+def test_a_checkpoint_changes_precision_through_tunixs_own_restore(tmp_path, monkeypatch, caplog):
+    from tunix.sft import checkpoint_manager
+
+    manager = checkpoint_manager.CheckpointManager
+    batches = sft_batches(12)  # 6 real steps of 2 micro-batches; a resumed trainer skips those trained
+    reference = sft_trainer(tmp_path / "reference", 6, optax.adam(1e-2))
+    reference.train(batches)
+    uninterrupted = reference.metrics_logger.get_metric_history("", "loss", "train")
+
+    first = sft_trainer(tmp_path / "run", 2, optax.adam(1e-2))
+    first.train(batches)
+    # float32 -> float16: docs/porting.md's line, before the trainer is built (it restores in __init__).
+    optimizer = jaxamp.loss_scaling(optax.adam(1e-2), scaler=2.0**14)
+    monkeypatch.setattr(
+        manager, "maybe_restore", jaxamp.scaling.restore_across_loss_scaling(manager.maybe_restore, optimizer)
+    )
+    with caplog.at_level("WARNING", logger="jaxamp"):
+        second = sft_trainer(tmp_path / "run", 4, optimizer)
+    assert "written without loss scaling" in caplog.text
+    assert second.train_steps == 2 and scale(second) == (2.0**14, 0)
+    second.train(batches)
+    assert second.train_steps == 4 and scale(second) == (2.0**14, 0)
+    # float16 -> float32: the transformation the checkpoint was written with, as Tunix held it.
+    written_with = optax.MultiSteps(jaxamp.loss_scaling(optax.adam(1e-2)), 2)
+    monkeypatch.undo()
+    monkeypatch.setattr(
+        manager, "maybe_restore", jaxamp.scaling.restore_across_loss_scaling(manager.maybe_restore, written_with)
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxamp"):
+        third = sft_trainer(tmp_path / "run", 6, optax.adam(1e-2))
+    assert "written with loss scaling" in caplog.text
+    assert third.train_steps == 4 and not isinstance(third.optimizer.opt_state.inner_opt_state, jaxamp.LossScaleState)
+    third.train(batches)
+    assert third.train_steps == 6
+
+    losses = [t.metrics_logger.get_metric_history("", "loss", "train") for t in (first, second, third)]
+    print("uninterrupted", uninterrupted, "legs", losses)
+    np.testing.assert_array_equal(losses[0], uninterrupted[:2])
+    np.testing.assert_allclose(np.concatenate(losses[1:]), uninterrupted[2:], rtol=5e-3)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 __all__ = [
     "has_nnx_objects",
@@ -15,7 +16,9 @@ __all__ = [
     "nnx_flatten",
     "nnx_is_bookkeeping",
     "nnx_is_object",
+    "nnx_is_optimizer",
     "nnx_iter_graph",
+    "nnx_optimizer_leaf",
     "nnx_marked",
     "nnx_metadata",
     "nnx_raw_value",
@@ -85,6 +88,24 @@ def has_nnx_objects(tree: Any, variables: bool = True) -> bool:
 
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=nnx_is_object)
     return any(nnx_is_object(leaf) and (variables or not isinstance(leaf, nnx.Variable)) for leaf in leaves)
+
+
+def nnx_is_optimizer(x: Any) -> bool:
+    """Whether `x` is an `nnx.Optimizer` (False where flax's nnx was never imported)."""
+    if "flax.nnx" not in sys.modules:
+        return False
+    from flax import nnx
+
+    return isinstance(x, nnx.Optimizer)
+
+
+def nnx_optimizer_leaf(x: Any) -> Any:
+    """`x` as an `nnx.Optimizer` holds its state's leaves: a Variable stays, an array is wrapped."""
+    from flax import nnx
+
+    if isinstance(x, nnx.Variable):
+        return x
+    return nnx.optimizer.OptArray(x) if jnp.ndim(x) == 0 else nnx.optimizer.OptVariable(x)
 
 
 def nnx_is_object(x: Any) -> bool:

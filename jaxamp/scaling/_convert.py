@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .. import _compat
 from ._dynamic_scaler import DynamicScalerState
 from ._live_scale import find_live_scale, replicated_like
 from ._loss_scaling import LossScaleState, loss_scaling
@@ -56,6 +58,11 @@ def _is_dict_form(x: Any) -> bool:
 
 def _is_wrapped(x: Any) -> bool:
     return isinstance(x, LossScaleState) or _is_dict_form(x)
+
+
+def _is_wrapped_or_variable(x: Any) -> bool:
+    """A node `without_loss_scaling_state` does not rebuild: nnx's Variables stay the objects they are."""
+    return _is_wrapped(x) or ("flax.nnx" in sys.modules and _compat.nnx_is_object(x))
 
 
 def _describe(x: Any) -> str:
@@ -93,7 +100,7 @@ def without_loss_scaling_state(tree: Any) -> Any:
             return strip(x["inner_state"])
         return x
 
-    out = jax.tree_util.tree_map(strip, tree, is_leaf=_is_wrapped)
+    out = jax.tree_util.tree_map(strip, tree, is_leaf=_is_wrapped_or_variable)
     if not found:
         raise ValueError(
             "jaxamp.scaling.without_loss_scaling_state: the tree holds no jaxamp.LossScaleState "
@@ -311,7 +318,12 @@ def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Ca
     `restore` is called with a restore target among its arguments, the one
     holding an optimizer state (MaxText's ``checkpointing.load_state_if_possible``
     and its ``abstract_unboxed_pre_state``, Levanter's ``load_checkpoint`` and
-    its ``tree``), and returns what it restored. The returned function calls it
+    its ``tree``), and returns what it restored; or restores in place into an
+    ``nnx.Optimizer`` among its arguments (Tunix's
+    ``CheckpointManager.maybe_restore`` and its ``optimizer``), which then holds
+    its state in the other form during the second try. A call with no
+    optimizer state among its arguments (parameters alone) is passed through.
+    The returned function calls it
     as given first, so a run resumes its own checkpoints as before. Where that
     fails and the target holds `loss_scaling`'s state, it restores into the
     target without it and wraps the optimizer state in the result with `tx`'s
@@ -346,8 +358,8 @@ def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Ca
         A function with `restore`'s signature and name.
 
     Raises:
-        TypeError: `restore` is not callable; when called, no argument or more
-            than one holds an optimizer state, or the target holds loss
+        TypeError: `restore` is not callable; when called, more than one
+            argument holds an optimizer state, or the target holds loss
             scaling and `tx` is None.
     """
     if not callable(restore):
@@ -360,7 +372,11 @@ def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Ca
     def restore_either(*args: Any, **kwargs: Any) -> T:
         bound = _bound(restore, args, kwargs)
         name = _target_name(restore, bound)
+        if name is None:  # no optimizer state to restore (parameters alone): nothing to convert
+            return restore(*args, **kwargs)
         target = bound.arguments[name]
+        if _compat.nnx_is_optimizer(target):
+            return _restore_into(target, lambda: restore(*args, **kwargs), tx, restore)
         scaled = _holds_loss_scaling(target)
         if scaled and tx is None:
             raise TypeError(
@@ -375,12 +391,9 @@ def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Ca
             # fails again: no checkpoint at all), the first error is the one to see.
             try:
                 if scaled:
-                    converted, written = without_loss_scaling_state(target), "without"
+                    converted = without_loss_scaling_state(target)
                 else:
-                    converted, written = (
-                        with_loss_scaling_state(target, _default_loss_scaling() if tx is None else tx),
-                        "with",
-                    )
+                    converted = with_loss_scaling_state(target, _default_loss_scaling() if tx is None else tx)
                 bound.arguments[name] = converted
                 restored = restore(*bound.args, **bound.kwargs)
             except Exception:  # noqa: BLE001
@@ -388,13 +401,7 @@ def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Ca
         else:
             _follow(tx, restored)
             return restored
-        _LOG.warning(
-            "jaxamp.scaling.restore_across_loss_scaling: %s restored a checkpoint written %s loss scaling; "
-            "its optimizer state was converted (%s).",
-            getattr(restore, "__qualname__", "restore"),
-            written,
-            "wrapped at the initial loss scale" if scaled else "loss scaling taken out",
-        )
+        _log_conversion(restore, scaled)
         if not scaled:
             return without_loss_scaling_state(restored)
         converted = with_loss_scaling_state(restored, tx)
@@ -402,6 +409,47 @@ def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Ca
         return converted
 
     return restore_either
+
+
+def _restore_into(optimizer: Any, call: Callable[[], T], tx: Any, restore: Any) -> T:
+    """`call()` of `restore`, which restores into `optimizer` (an `nnx.Optimizer`) in place, from either form.
+
+    Where the first try fails, the optimizer holds its state in the other form
+    for the second, sharing its Variables (the wrapped optimizer's state is the
+    same objects in both), so what is restored into them stays when its own
+    form is put back: around it, the initial scale; out of it, the scale dropped.
+    """
+    own = optimizer.opt_state
+    scaled = _holds_loss_scaling(own)
+    try:
+        result = call()
+    except Exception as first:  # noqa: BLE001  (a framework's restore raises its own kinds)
+        try:
+            if scaled:
+                optimizer.opt_state = without_loss_scaling_state(own)
+            else:
+                template = _default_loss_scaling() if tx is None else tx
+                optimizer.opt_state = jax.tree_util.tree_map(
+                    _compat.nnx_optimizer_leaf, with_loss_scaling_state(own, template), is_leaf=_compat.nnx_is_object
+                )
+            result = call()
+        except Exception:  # noqa: BLE001
+            raise first from None
+        finally:
+            optimizer.opt_state = own
+        _log_conversion(restore, scaled)
+    _follow(tx, optimizer.opt_state)
+    return result
+
+
+def _log_conversion(restore: Any, scaled: bool) -> None:
+    _LOG.warning(
+        "jaxamp.scaling.restore_across_loss_scaling: %s restored a checkpoint written %s loss scaling; "
+        "its optimizer state was converted (%s).",
+        getattr(restore, "__qualname__", "restore"),
+        "without" if scaled else "with",
+        "wrapped at the initial loss scale" if scaled else "loss scaling taken out",
+    )
 
 
 def _follow(tx: Any, restored: Any) -> None:
@@ -429,18 +477,22 @@ def _bound(fn: Callable[..., Any], args: tuple, kwargs: dict) -> inspect.BoundAr
         return inspect.Signature(params).bind(*args, **kwargs)
 
 
-def _target_name(fn: Callable[..., Any], bound: inspect.BoundArguments) -> str:
-    """The name of the one argument holding an optimizer state (or loss scaling): the restore target."""
+def _target_name(fn: Callable[..., Any], bound: inspect.BoundArguments) -> str | None:
+    """The name of the one argument holding an optimizer state (or loss scaling), the restore target; None: none."""
     names = [
         name
         for name, value in bound.arguments.items()
-        if _holds_loss_scaling(value) or (_is_tree(value) and _locate(value) is not None)
+        if _compat.nnx_is_optimizer(value)
+        or _holds_loss_scaling(value)
+        or (_is_tree(value) and _locate(value) is not None)
     ]
-    if len(names) != 1:
+    if not names:
+        return None
+    if len(names) > 1:
         raise TypeError(
             f"jaxamp.scaling.restore_across_loss_scaling: {getattr(fn, '__qualname__', fn)!s} was called with "
             f"{len(names)} arguments holding an optimizer state ({', '.join(names) or 'none'}); it needs "
-            "exactly one, the restore target (a tree with an opt_state entry or field)."
+            "one at most, the restore target (a tree with an opt_state entry or field, or an nnx.Optimizer)."
         )
     return names[0]
 
