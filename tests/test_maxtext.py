@@ -14,16 +14,13 @@ MaxText's spike rule on, its ``optim/step_skipped`` (through docs/porting.md's
 metrics wrapper under float16) marks exactly the overflowed steps, whose
 gradient norms read NaN.
 
-Across checkpoints: examples/maxtext_round_trip.py's float32 -> float16 ->
+Across checkpoints: examples/maxtext_runs.py's float32 -> float16 ->
 float32 legs and a float16 resume of its own checkpoint, each within 0.05% of
 the uninterrupted float32 run's losses (measured at most 0.013%).
 """
 
-import json
 import math
-import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -33,63 +30,24 @@ pytest.importorskip("maxtext")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-import maxtext_round_trip  # noqa: E402
+import maxtext_runs  # noqa: E402
 
 STEPS = 12
-# examples/maxtext_driver.py's patches (made, its __main__ not run), then MaxText's train.main
-# on a tiny model, its metrics recorded per step.
-DRIVER = """
-import functools, json, os, runpy, sys
-os.environ["PRECISION"] = sys.argv[1]
-import jaxamp
-if sys.argv[1] == "f16":  # started at a scale that overflows, a monitor that warns after 4 steps
-    jaxamp.scaling.loss_scaling_factory = functools.partial(jaxamp.scaling.loss_scaling_factory, scaler=2.0**24)
-    jaxamp.scaling.LossScaleMonitor = functools.partial(jaxamp.scaling.LossScaleMonitor, window=4)
-runpy.run_path(sys.argv[4])
-import maxtext
-from maxtext.common import metric_logger
-from maxtext.trainers.pre_train import train
-
-mode, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-records = []
-_write = metric_logger.MetricLogger.write_metrics
-def write_metrics(self, metrics, step, metric_type="train"):
-    if metric_type == "train" and metrics:
-        records.append({k: float(v) for k, v in metrics["scalar"].items()})
-    return _write(self, metrics, step, metric_type)
-metric_logger.MetricLogger.write_metrics = write_metrics
-config = os.path.join(os.path.dirname(maxtext.__file__), "configs", "decoupled_base_test.yml")
-train.main([
-    "train", config, f"run_name=tiny_{mode}", f"base_output_directory={out}", "dataset_type=synthetic",
-    f"steps={steps}", "per_device_batch_size=4", "max_target_length=64", "base_emb_dim=64",
-    "base_num_decoder_layers=2", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=16",
-    "base_mlp_dim=128", "vocab_size=256", "enable_checkpointing=false", "learning_rate=1e-3",
-    f"learning_rate_schedule_steps={steps}", "log_period=1", "attention=dot_product",
-    "weight_dtype=float32", "dtype=float32", "skip_step_on_spikes=true",
-])
-last = records[-1]
-print("RESULT", json.dumps({
-    "losses": [r["learning/loss"] for r in records],
-    "loss_scale": last.get("optim/loss_scale"),
-    "skipped_steps": last.get("optim/skipped_steps"),
-    "step_skipped": [r["optim/step_skipped"] for r in records],
-    "grad_norms": [r["learning/raw_grad_norm"] for r in records],
-}))
-"""
 
 
 def _run(mode, tmp_path):
-    env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "PYTHONPATH": os.getcwd()}
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER, mode, str(tmp_path / mode), str(STEPS), str(maxtext_round_trip.DRIVER)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    return {**json.loads(line[len("RESULT ") :]), "stderr": done.stderr}
+    """The driver, MaxText's spike rule on; float16 from 2**24, with a monitor that warns after 4 steps."""
+    env = {"SCALER": str(2.0**24), "MONITOR_WINDOW": "4"} if mode == "f16" else {}
+    records = maxtext_runs.run(mode, tmp_path, f"tiny_{mode}", STEPS, extra=("skip_step_on_spikes=true",), env=env)
+    last = records[-1]
+    return {
+        "losses": [r["learning/loss"] for r in records],
+        "loss_scale": last.get("optim/loss_scale"),
+        "skipped_steps": last.get("optim/skipped_steps"),
+        "step_skipped": [r["optim/step_skipped"] for r in records],
+        "grad_norms": [r["learning/raw_grad_norm"] for r in records],
+        "console": (tmp_path / f"tiny_{mode}-{mode}-{STEPS}.log").read_text(),
+    }
 
 
 def test_maxtext_float16_two_driver_lines_skip_overflows_and_follow_float32(tmp_path):
@@ -108,12 +66,12 @@ def test_maxtext_float16_two_driver_lines_skip_overflows_and_follow_float32(tmp_
     for late, want in zip(f16["grad_norms"][skipped:], f32["grad_norms"]):
         assert abs(late / want - 1) < 2e-2, (f16["grad_norms"], f32["grad_norms"])
     # The driver's monitor (a window of 4 steps here) warns from inside MaxText's jitted step.
-    assert "of the last 4 steps were skipped" in f16["stderr"]
-    assert "steps were skipped" not in f32["stderr"]
+    assert "of the last 4 steps were skipped" in f16["console"]
+    assert "steps were skipped" not in f32["console"]
 
 
 def test_maxtext_changes_precision_across_its_checkpoints_and_resumes_its_own(tmp_path):
-    legs = maxtext_round_trip.round_trip(tmp_path)
+    legs = maxtext_runs.round_trip(tmp_path)
     reference = [r["learning/loss"] for r in legs["f32 uninterrupted"]]
     starts = {name: int(records[0]["step"]) for name, records in legs.items()}
     assert starts == {

@@ -305,16 +305,14 @@ def test_sft_peft_trainer_under_amp_module_and_amp_loss():
         np.testing.assert_allclose(losses, plain, rtol=0, atol=0.02)
 
 
-def f16_sft_trainer(directory, max_steps: int):
-    """A PeftTrainer on a fresh ToyTransformer in float16, two micro-batches a step, checkpointing each step.
+def sft_trainer(directory, max_steps: int, optimizer, f16: bool = False) -> peft_trainer.PeftTrainer:
+    """A PeftTrainer on a fresh ToyTransformer, two micro-batches a step, checkpointing each step.
 
-    The two lines: the scaled optimizer handed to Tunix (which wraps it in
-    ``optax.MultiSteps``) and the module's amp reading its scale. The loss is
-    Tunix's default times the batch's ``factor``.
+    `f16`: docs/porting.md's two lines, `optimizer` a `jaxamp.loss_scaling`.
     """
     model = toy()
-    optimizer = jaxamp.loss_scaling(optax.adam(1e-2))
-    jaxamp.amp_module(model, compute_dtype="f16", loss_scale=optimizer)
+    if f16:
+        jaxamp.amp_module(model, compute_dtype="f16", loss_scale=optimizer)
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=100,
         max_steps=max_steps,
@@ -324,7 +322,15 @@ def f16_sft_trainer(directory, max_steps: int):
             save_interval_steps=1, max_to_keep=1, enable_async_checkpointing=False
         ),
     )
-    trainer = peft_trainer.PeftTrainer(model, optimizer, config)
+    return peft_trainer.PeftTrainer(model, optimizer, config)
+
+
+def f16_sft_trainer(directory, max_steps: int):
+    """`sft_trainer` in float16 (the optimizer handed to Tunix wrapped, which Tunix wraps in ``optax.MultiSteps``).
+
+    The loss is Tunix's default times the batch's ``factor``.
+    """
+    trainer = sft_trainer(directory, max_steps, jaxamp.loss_scaling(optax.adam(1e-2)), f16=True)
     tunix_loss = trainer.loss_fn
 
     def loss(model, input_tokens, input_mask, positions, attention_mask, factor):
@@ -428,26 +434,6 @@ def test_the_scale_in_tunix_logs_through_its_training_hooks_and_a_collapse_is_wa
         floored.train(sft_batches(2))
 
 
-def sft_trainer(directory, max_steps: int, optimizer) -> peft_trainer.PeftTrainer:
-    """A PeftTrainer on a fresh ToyTransformer, two micro-batches a step, checkpointing each step.
-
-    Float16 where `optimizer` is a `jaxamp.loss_scaling` (docs/porting.md's two lines).
-    """
-    model = toy()
-    if isinstance(optimizer.init(nnx.state(model, nnx.Param)), jaxamp.LossScaleState):
-        jaxamp.amp_module(model, compute_dtype="f16", loss_scale=optimizer)
-    config = peft_trainer.TrainingConfig(
-        eval_every_n_steps=100,
-        max_steps=max_steps,
-        gradient_accumulation_steps=2,
-        checkpoint_root_directory=str(directory),
-        checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=1, max_to_keep=1, enable_async_checkpointing=False
-        ),
-    )
-    return peft_trainer.PeftTrainer(model, optimizer, config)
-
-
 def test_a_checkpoint_changes_precision_through_tunixs_own_restore(tmp_path, monkeypatch, caplog):
     from tunix.sft import checkpoint_manager
 
@@ -465,7 +451,7 @@ def test_a_checkpoint_changes_precision_through_tunixs_own_restore(tmp_path, mon
         manager, "maybe_restore", jaxamp.scaling.restore_across_loss_scaling(manager.maybe_restore, optimizer)
     )
     with caplog.at_level("WARNING", logger="jaxamp"):
-        second = sft_trainer(tmp_path / "run", 4, optimizer)
+        second = sft_trainer(tmp_path / "run", 4, optimizer, f16=True)
     assert "written without loss scaling" in caplog.text
     assert second.train_steps == 2 and scale(second) == (2.0**14, 0)
     second.train(batches)

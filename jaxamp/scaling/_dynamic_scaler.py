@@ -3,14 +3,9 @@
 `dynamic_scale_grad(fun)` and `dynamic_scale_value_and_grad(fun)` behave like
 `jax.grad` / `equinox.filter_grad` (and the value-and-grad variants) of `fun`, except
 that `fun`'s output is multiplied by the current scale before differentiating, the
-results are divided by it afterwards, and the scaler state comes back adjusted by
-the rule shared with the other scalers (`jaxamp.scaling._scale_schedule.next_scale`):
-
-* finite step: if ``count >= patience`` the scale is multiplied by ``adjust_factor``
-  (capped at ``max_scaler``, kept if the product overflows) and ``count`` restarts
-  at 0, otherwise ``count`` goes up by one;
-* non-finite step: the scale is divided by ``adjust_factor`` (but not below
-  ``min_scaler``), ``count`` restarts at 0 and ``total_resets`` goes up by one.
+results are divided by it afterwards, and the scaler state comes back moved by
+the rule every jaxamp scaler shares (`jaxamp.scaling._scale_schedule.next_scale`),
+a non-finite step also counted in ``total_resets``.
 """
 
 from __future__ import annotations

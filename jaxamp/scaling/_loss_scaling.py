@@ -88,11 +88,9 @@ def loss_scaling(
       bit as it was (pair with `jaxamp.scaling.apply_if_finite_updates` and
       ``opt_state.last_finite`` where the parameters' exact bits matter:
       ``p + 0.0`` turns ``-0.0`` into ``+0.0``);
-    * moves the scale by `DynamicScalerState`'s rule: after ``patience``
-      finite steps in a row it is multiplied by ``adjust_factor`` (up to
-      ``max_scaler``, never to inf); a non-finite step divides it by
-      ``adjust_factor`` (down to ``min_scaler``, never to 0) and counts one
-      more skipped step in ``scaler_state.total_resets``.
+    * moves the scale by the rule every jaxamp scaler shares
+      (`jaxamp.scaling._scale_schedule.next_scale`) and counts a skipped
+      step in ``scaler_state.total_resets``.
 
     The gradients it receives are true-scale (amp unscales them, or the
     script does); the scale is only read from the state, by amp. The update
@@ -115,7 +113,9 @@ def loss_scaling(
     ``shard_map`` or ``pmap`` body (pass the state there). A state the cells
     do not follow (the first step after a restore, a rollback, a second state
     on one transformation) steps at the cells' scale: an overflow above its
-    own is skipped and its scale kept (docs/loss_scaling.md).
+    own is skipped and its scale kept (docs/loss_scaling.md). A restore
+    through `jaxamp.scaling.restore_across_loss_scaling` sets the cells to
+    the restored scale.
 
     With gradient accumulation and the state given to amp, wrap the accumulator:
     ``loss_scaling(optax.MultiSteps(opt, k))``. The decision is then one per

@@ -26,14 +26,12 @@ def update_scale(
 ) -> tuple[DynamicScalerState, jax.Array]:
     """The scaler state after one step, and whether the step was finite.
 
-    The step rule of `DynamicScalerState` (and of `loss_scaling`'s state), as a
-    function: a finite step counts towards growing the scale (by
-    ``adjust_factor`` after ``patience`` finite steps in a row, up to
-    ``max_scaler``); a non-finite one divides it by ``adjust_factor`` (down to
-    ``min_scaler``) and counts one more skipped step in ``total_resets``. The
-    update of the parameters and the optimizer state is the caller's to skip:
-    ``jax.lax.cond(finite, update, keep, ...)`` (docs/porting.md, "No optax
-    optimizer").
+    The step rule every jaxamp scaler shares
+    (`jaxamp.scaling._scale_schedule.next_scale`), as a function: a
+    non-finite step also counts one more skipped step in ``total_resets``.
+    The update of the parameters and the optimizer state is the caller's to
+    skip: ``jax.lax.cond(finite, update, keep, ...)`` (docs/porting.md, "No
+    optax optimizer").
 
     Args:
         scaler_state: the state whose scale the gradients were taken with
