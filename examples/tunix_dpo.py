@@ -27,7 +27,7 @@ parameters and, for f16, the final loss scale and the skipped steps; the last
 line is ``RESULT <json>`` with all of it.
 
     python examples/tunix_dpo.py            # about a minute on a laptop CPU
-    python examples/tunix_dpo.py --quick    # the smoke test's run: 6 steps, the spike at step 3
+    python examples/tunix_dpo.py --quick    # the smoke test's run: one layer, 6 steps, the spike at step 3
 
 Needs google-tunix and qwix (``pip install google-tunix qwix``).
 """
@@ -35,8 +35,10 @@ Needs google-tunix and qwix (``pip install google-tunix qwix``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +54,7 @@ import jaxamp
 
 PAD, BOS, EOS = 0, 1, 2  # the other tokens are the words
 CONFIG = gemma3_lib.ModelConfig(  # Gemma 3 1B's shape (4 query heads, 1 key/value head), scaled down
-    num_layers=2,
+    num_layers=2,  # --layers replaces it
     num_embed=128,
     embed_dim=64,
     hidden_dim=256,
@@ -128,12 +130,54 @@ class SpikeSnapshots(hooks.TrainingHooks):
     on_train_start = on_train_step_end = on_eval_step_start = on_eval_step_end = _nothing
 
 
-def dpo(precision: str, data: list[dict], args: argparse.Namespace) -> dict:
+def random_gemma3(config: gemma3_lib.ModelConfig, seed: int) -> nnx.Module:
+    """Tunix's Gemma 3, its weights redrawn: normal, standard deviation 1/sqrt(fan-in).
+
+    Tunix's own initialization is a placeholder for a checkpoint's weights
+    (the MLP's kernels zero, the rest N(0, 0.01)): on it the LoRA of a zero MLP
+    gets zero gradients and the logits hardly move. The norms' scales stay 0
+    (Gemma's RMSNorm multiplies by 1 + scale).
+    """
+    model = gemma3_lib.Gemma3(config, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    key = jax.random.key(seed)
+    redrawn = []
+    for index, (path, weight) in enumerate(leaves):
+        name = jax.tree_util.keystr(path)
+        if weight.ndim >= 2:
+            if "down_proj" in name:  # (hidden, embed)
+                fan_in = weight.shape[0]
+            elif "attn_vec_einsum" in name:  # (heads, head_dim, embed)
+                fan_in = weight.shape[0] * weight.shape[1]
+            else:  # the embedding table (its rows give unit-variance logits) and the projections from the embedding
+                fan_in = config.embed_dim
+            weight = jax.random.normal(jax.random.fold_in(key, index), weight.shape, weight.dtype) / np.sqrt(fan_in)
+        redrawn.append(weight)
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, redrawn))
+    return model
+
+
+def shard(model: nnx.Module) -> None:
+    """The notebook's placement of a model on the mesh in context, by its variables' partition specs."""
+    state = nnx.state(model)
+    nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+
+
+def dpo(precision: str, data: list[dict], args: argparse.Namespace, config: gemma3_lib.ModelConfig) -> dict:
     """Tunix's DPO demo in `precision` on `data`: its losses, reward accuracy and the spike step's outcome."""
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:1])
+    with mesh:
+        return _dpo(precision, data, args, config)
+
+
+def _dpo(precision: str, data: list[dict], args: argparse.Namespace, config: gemma3_lib.ModelConfig) -> dict:
     # The notebook's models: the base Gemma 3 is the reference, its qwix LoRA copy the policy.
-    reference = gemma3_lib.Gemma3(CONFIG, rngs=nnx.Rngs(args.seed))
+    reference = random_gemma3(config, args.seed)
+    shard(reference)
     provider = qwix.LoraProvider(**LORA, rank=RANK, alpha=ALPHA)
     policy = qwix.apply_lora_to_model(reference, provider, **reference.get_model_input(), rngs=nnx.Rngs(args.seed))
+    shard(policy)
     # The notebook's optimizer at a constant learning rate: clipping, then AdamW.
     optimizer = optax.chain(
         optax.clip_by_global_norm(MAX_GRAD_NORM),
@@ -147,8 +191,8 @@ def dpo(precision: str, data: list[dict], args: argparse.Namespace) -> dict:
         # read inside Tunix's jitted train step.
         scale = {"loss_scale": optimizer} if precision == "f16" else {}
         jaxamp.amp_module(policy, reference, compute_dtype=precision, **scale)
-    config = DPOTrainingConfig(beta=BETA, eval_every_n_steps=10**6, max_steps=args.steps)
-    trainer = DPOTrainer(model=policy, ref_model=reference, optimizer=optimizer, training_config=config)
+    training_config = DPOTrainingConfig(beta=BETA, eval_every_n_steps=10**6, max_steps=args.steps)
+    trainer = DPOTrainer(model=policy, ref_model=reference, optimizer=optimizer, training_config=training_config)
 
     # The injected overflow: Tunix's jitted step multiplies its loss by SPIKE on its
     # `spike_step`-th call. A counter in a jax.Ref the step closes over, advanced where
@@ -172,7 +216,10 @@ def dpo(precision: str, data: list[dict], args: argparse.Namespace) -> dict:
     trainer.with_training_hooks(snapshots)
 
     start = time.perf_counter()
-    trainer.train(data)
+    with warnings.catch_warnings():
+        # Tunix logs exp(loss) as the perplexity: at the spike step that is exp(about 7000).
+        warnings.filterwarnings("ignore", "overflow encountered in exp", RuntimeWarning)
+        trainer.train(data)
     seconds = time.perf_counter() - start
     assert trainer.train_steps == args.steps, trainer.train_steps
 
@@ -197,10 +244,11 @@ def dpo(precision: str, data: list[dict], args: argparse.Namespace) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 steps, the spike at step 3 (the smoke test)")
+    parser.add_argument("--quick", action="store_true", help="one layer, 6 steps, the spike at step 3 (the smoke test)")
     parser.add_argument("--steps", type=int, default=80, help="DPO steps (the trainer's max_steps)")
     parser.add_argument("--spike_step", type=int, default=40, help="the step whose loss is multiplied by 1e4")
     parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--layers", type=int, default=CONFIG.num_layers, help="the Gemma 3's decoder layers")
     parser.add_argument("--pairs", type=int, default=64, help="synthetic preference pairs")
     parser.add_argument("--batch", type=int, default=8, help="pairs per step")
     parser.add_argument("--prompt_length", type=int, default=8, help="prompt tokens (padded); completions alike")
@@ -208,7 +256,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.spike_step = 6, 3
+        # Compiling is nearly all of the time: one layer (a sliding-window one, Gemma 3's first).
+        args.steps, args.spike_step, args.layers = 6, 3, 1
     args.precisions = tuple(args.precisions.split(","))
     if set(args.precisions) - set(PRECISIONS):
         parser.error(f"--precisions takes {', '.join(PRECISIONS)}, got {args.precisions}")
@@ -217,11 +266,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    config = dataclasses.replace(CONFIG, num_layers=args.layers)
     pairs = preference_pairs(args.pairs, args.prompt_length, args.seed)
     data = batches(pairs, args.batch, args.steps)
     configuration = {
         "model": (
-            f"Gemma3 (tunix.models.gemma3), {CONFIG.num_layers} layers, width {CONFIG.embed_dim}, "
+            f"Gemma3 (tunix.models.gemma3), {config.num_layers} layers, width {CONFIG.embed_dim}, "
             f"MLP {CONFIG.hidden_dim}, {CONFIG.num_heads} heads x {CONFIG.head_dim} ({CONFIG.num_kv_heads} kv), "
             f"vocabulary {CONFIG.num_embed}, float32 parameters; qwix LoRA rank {RANK}, alpha {ALPHA}"
         ),
@@ -244,7 +294,7 @@ def main(argv=None) -> dict:
 
     runs = {}
     for precision in args.precisions:
-        run = runs[precision] = dpo(precision, data, args)
+        run = runs[precision] = dpo(precision, data, args, config)
         line = (
             f"{precision:<8} final DPO loss {run['final_loss']:.4f} (step 0: {run['losses'][0]:.4f}), "
             f"reward accuracy {run['reward_accuracy']:.2f}"

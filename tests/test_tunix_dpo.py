@@ -1,0 +1,63 @@
+"""examples/tunix_dpo.py's smoke run: Tunix's DPO demo in float32, bf16 and f16, one step overflowing.
+
+The script's ``--quick`` run: a tiny random Gemma 3 of Tunix's class with
+qwix LoRA, 6 DPO steps of 8 synthetic preference pairs, the loss multiplied
+by 1e4 at step 3. float16 must skip that step (the LoRA parameters bit for
+bit unchanged across it, the scale halved from its initial 2**15) and train
+on; float32 applies it.
+
+Tolerance: the DPO loss starts at log 2 (the LoRA's B matrices are zero, the
+policy is the reference) and moves little in 6 steps (0.6931 -> 0.6866);
+measured, float16's final loss differs from float32's by 1e-5 to 1e-4
+(bfloat16's by about the same). Bound: 0.005, a twentieth of what the 6 steps
+move it by and far above rounding.
+"""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tunix")
+pytest.importorskip("qwix")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_example(name: str):
+    # The examples are scripts, not a package: import them from their files.
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tunix_dpo_quick_float16_skips_the_overflowing_step():
+    out = load_example("tunix_dpo").main(["--quick"])
+    runs, config = out["runs"], out["config"]
+    spike = config["spike_step"]
+    assert set(runs) == {"float32", "bf16", "f16"}
+    for name, run in runs.items():
+        assert len(run["losses"]) == config["steps"], name
+        assert all(math.isfinite(x) for x in run["losses"]), name
+        assert run["losses"][0] == pytest.approx(math.log(2), abs=1e-3), name
+        assert run["losses"][-1] < run["losses"][0], name  # DPO trains, the spike notwithstanding
+        assert run["losses"][spike] > 1e3, name  # the spike step's loss, times 1e4
+        assert 0.0 <= run["reward_accuracy"] <= 1.0, name
+    assert runs["float32"]["model_class"] == "Gemma3"
+    assert runs["bf16"]["model_class"] == runs["f16"]["model_class"] == "AmpGemma3"
+
+    # float32 and bf16 apply the spike step; float16 skips it and halves the scale.
+    assert not runs["float32"]["spike_params_unchanged"]
+    assert not runs["bf16"]["spike_params_unchanged"]
+    f16 = runs["f16"]
+    assert f16["spike_params_unchanged"] and f16["spike_skipped"]
+    assert f16["spike_scale_after"] == f16["spike_scale_before"] / 2
+    assert f16["skipped_steps"] >= 1 and f16["loss_scale"] == f16["spike_scale_after"]
+
+    assert f16["final_loss"] == pytest.approx(runs["float32"]["final_loss"], abs=0.005)
+    assert runs["bf16"]["final_loss"] == pytest.approx(runs["float32"]["final_loss"], abs=0.005)
