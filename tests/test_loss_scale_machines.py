@@ -8,11 +8,14 @@ Its rules are the sequences the live scale follows its state through: steps
 clean or overflowing, the gradient jitted with the update or apart, one
 gradient handed to two updates, a gradient discarded (the overflow travels in
 the gradient, so a discarded one says nothing), a re-``init``, a checkpoint
-round trip of the current state. Rolling back to an older copy and one
-transformation for two states are not among them: there the forward pass
-reads the cells, which follow the last state updated, not the one handed to
-the update (docs/loss_scaling.md, the live scale's limits;
-tests/test_live_scale.py holds what it does there).
+round trip of the current state, and a rollback to a saved copy (or a new
+process resuming it) through `jaxamp.scaling.restore_across_loss_scaling`,
+which sets the cells to the restored state. A rollback by hand (the copy
+handed to the update, no restore function) and one transformation for two
+states are not among them: there the forward pass reads the cells, which
+follow the last state updated, not the one handed to the update
+(docs/loss_scaling.md, the live scale's limits; tests/test_live_scale.py
+holds what it does there).
 
 `StateAgainstFloat32`: the state path against float32 within float16's
 tolerance, where every rule holds: an overflowing step changes nothing, a
@@ -156,6 +159,23 @@ class LiveAgainstState(RuleBasedStateMachine):
     def checkpoint_round_trip(self):
         self.w_live, self.s_live = _round_trip((self.w_live, self.s_live))
         self.w_state, self.s_state = _round_trip((self.w_state, self.s_state))
+
+    @rule()
+    def save(self):
+        self.saved = _round_trip((self.w_live, self.s_live, self.w_state, self.s_state))
+
+    @precondition(lambda self: hasattr(self, "saved"))
+    @rule()
+    def restore_through_the_restore_line(self):
+        # A rollback to the saved copy, or a new process resuming it: the live
+        # path restores through porting.md's line, which sets the cells to it.
+        w_live, s_live, w_state, s_state = self.saved
+        restore = jaxamp.scaling.restore_across_loss_scaling(
+            lambda target: {"w": w_live, "opt_state": s_live}, self.tx_live
+        )
+        restored = restore({"w": self.w_live, "opt_state": self.s_live})
+        self.w_live, self.s_live = restored["w"], restored["opt_state"]
+        self.w_state, self.s_state = w_state, s_state
 
     @invariant()
     def paths_agree(self):
