@@ -118,7 +118,7 @@ class SpikeSnapshots(hooks.TrainingHooks):
         # Called once the steps before this one were dispatched; reading waits for them.
         step = trainer.train_steps
         if step in (self.spike_step, self.spike_step + 1):
-            # Copied to the host: Tunix donates the model's state to its step.
+            # Copied to the host: Tunix's step donates the optimizer (with the model in it).
             lora = [np.array(x) for x in jax.tree.leaves(nnx.state(trainer.model, nnx.LoRAParam))]
             scale = None
             if self.scaled:
