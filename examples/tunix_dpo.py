@@ -173,7 +173,7 @@ def dpo(precision: str, data: list[dict], args: argparse.Namespace, config: gemm
     mesh = jax.make_mesh(
         (1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:1]
     )
-    with mesh:
+    with mesh:  # the notebook's form, which JAX now warns about: Tunix reads the mesh it sets
         return _dpo(precision, data, args, config)
 
 
