@@ -274,6 +274,7 @@ def test_ppo_float16_actor_and_critic_each_with_its_own_scale():
     # first steps are skipped, the scale halving each time, then it trains as
     # float32 did, late by the skipped steps.
     loss_scale, skipped = scale(critic)
+    print("critic losses: float32", plain, "float16", losses, "scale", loss_scale, "skipped", skipped)
     assert 1 <= skipped <= 4 and loss_scale == 2.0 ** (15 - skipped)
     # The critic stands still while skipped (its loss moves only with the rollouts the actor samples).
     np.testing.assert_allclose(losses[: skipped + 1], losses[0], rtol=1e-5)
