@@ -318,21 +318,21 @@ def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Ca
     `restore` is called with a restore target among its arguments, the one
     holding an optimizer state (MaxText's ``checkpointing.load_state_if_possible``
     and its ``abstract_unboxed_pre_state``, Levanter's ``load_checkpoint`` and
-    its ``tree``), and returns what it restored; or restores in place into an
-    ``nnx.Optimizer`` among its arguments (Tunix's
-    ``CheckpointManager.maybe_restore`` and its ``optimizer``), which then holds
-    its state in the other form during the second try. A call with no
-    optimizer state among its arguments (parameters alone) is passed through.
-    The returned function calls it
-    as given first, so a run resumes its own checkpoints as before. Where that
-    fails and the target holds `loss_scaling`'s state, it restores into the
-    target without it and wraps the optimizer state in the result with `tx`'s
-    initial scale (`with_loss_scaling_state`): a checkpoint of a float32 or
-    bfloat16 run resumes in float16. Where the target holds none, it restores
-    into the target with it and takes it out of the result
+    its ``tree``), and returns what it restored; or it restores in place into
+    an ``nnx.Optimizer`` among its arguments (Tunix's
+    ``CheckpointManager.maybe_restore`` and its ``optimizer``). The returned
+    function calls it as given first, so a run resumes its own checkpoints as
+    before. Where that fails and the target holds `loss_scaling`'s state, it
+    restores into the target without it and wraps the optimizer state in the
+    result with `tx`'s initial scale (`with_loss_scaling_state`): a checkpoint
+    of a float32 or bfloat16 run resumes in float16. Where the target holds
+    none, it restores into the target with it and takes it out of the result
     (`without_loss_scaling_state`): a float16 run's checkpoint resumes without
-    loss scaling. Either conversion is logged once per call (logger
+    loss scaling. An ``nnx.Optimizer`` holds its state in the other form for
+    the second try. Either conversion is logged once per call (logger
     ``"jaxamp"``); where the second try fails too, the first error is raised.
+    A call with no optimizer state among its arguments (parameters alone) is
+    passed through.
 
     Where amp reads `tx`'s live scale (``loss_scale=tx``, a framework's
     loop), the scale of the state restored is set as that live scale, so the
