@@ -293,6 +293,12 @@ def test_restored_through_restore_across_loss_scaling_the_first_step_runs_at_the
     new_w, opt_state, _ = step(w, restored, x, y * 300.0)  # overflows float16 at 2**24, not at 2**3
     assert np.any(new_w != w), "the first step after the restore was skipped"
     assert (_scale(opt_state), _skipped(opt_state)) == (2.0**3, 0)
+    # An overflow after the restore is skipped, and leaves nothing behind (no NaN in MultiSteps' accumulator).
+    after_w, opt_state, _ = step(new_w, opt_state, *_batch(overflow=True))
+    np.testing.assert_array_equal(after_w, new_w)
+    after_w, opt_state, _ = step(after_w, opt_state, x, y)
+    assert np.all(np.isfinite(after_w)) and np.any(after_w != new_w)
+    assert (_scale(opt_state), _skipped(opt_state)) == (2.0**2, 1)
     # A fresh init starts at the initial scale again.
     fresh = tx.init(w)
     new_w, opt_state, _ = step(w, fresh, x, y * 300.0)

@@ -130,6 +130,9 @@ class LiveScale:
             "last_scale": np.float32(scale),
             "last_count": np.int32(count),
             "last_resets": np.int32(resets),
+            # What holds the transformation did not change with the state: MultiSteps' zeros stay
+            # (and are set where its init was only traced, for the restore target's shape).
+            "zeros_on_overflow": np.bool_(self.zeros_on_overflow),
         }
         if self._cells is not None:
             for name, value in self._initial_values().items():
