@@ -259,7 +259,7 @@ def _all_dicts(x: Any) -> bool:
 
 def _wrap_at(opt_state: Any, path: tuple, fresh: tuple, whole: Any) -> Any:
     dict_form = _all_dicts(opt_state)
-    if any(_is_wrapped(leaf) for leaf in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_wrapped)):
+    if _holds_loss_scaling(opt_state):
         raise ValueError(
             "jaxamp.scaling.with_loss_scaling_state: the optimizer state already holds a "
             f"jaxamp.LossScaleState (or its dict form); got {_describe(opt_state)}."
@@ -308,8 +308,13 @@ def _place(fresh: tuple, like: Any) -> tuple:
     return jax.tree_util.tree_map(lambda v: jax.device_put(np.asarray(v), replicated), fresh)
 
 
+def _loss_scaling_states(tree: Any) -> list:
+    """The `LossScaleState`s in `tree`, in either form."""
+    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_wrapped) if _is_wrapped(x)]
+
+
 def _holds_loss_scaling(tree: Any) -> bool:
-    return any(_is_wrapped(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_wrapped))
+    return bool(_loss_scaling_states(tree))
 
 
 def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Callable[..., T]:
@@ -384,31 +389,37 @@ def restore_across_loss_scaling(restore: Callable[..., T], tx: Any = None) -> Ca
                 "checkpoint written without it is wrapped with the run's initial scale: pass the run's "
                 "transformation (or the loss_scaling_factory function) as tx."
             )
-        try:
-            restored = restore(*args, **kwargs)
-        except Exception as first:  # noqa: BLE001  (a framework's restore raises its own kinds)
-            # The target in the other form; where it cannot take one (or the restore
-            # fails again: no checkpoint at all), the first error is the one to see.
-            try:
-                if scaled:
-                    converted = without_loss_scaling_state(target)
-                else:
-                    converted = with_loss_scaling_state(target, _default_loss_scaling() if tx is None else tx)
-                bound.arguments[name] = converted
-                restored = restore(*bound.args, **bound.kwargs)
-            except Exception:  # noqa: BLE001
-                raise first from None
-        else:
-            _follow(tx, restored)
-            return restored
-        _log_conversion(restore, scaled)
-        if not scaled:
-            return without_loss_scaling_state(restored)
-        converted = with_loss_scaling_state(restored, tx)
-        _follow(tx, converted)
-        return converted
+
+        def in_the_other_form() -> T:
+            if scaled:
+                bound.arguments[name] = without_loss_scaling_state(target)
+            else:
+                bound.arguments[name] = with_loss_scaling_state(target, _default_loss_scaling() if tx is None else tx)
+            return restore(*bound.args, **bound.kwargs)
+
+        restored, converted = _as_given_else(lambda: restore(*args, **kwargs), in_the_other_form)
+        if converted:
+            _log_conversion(restore, scaled)
+            restored = with_loss_scaling_state(restored, tx) if scaled else without_loss_scaling_state(restored)
+        _follow(tx, restored)
+        return restored
 
     return restore_either
+
+
+def _as_given_else(as_given: Callable[[], T], other_form: Callable[[], T]) -> tuple[T, bool]:
+    """``as_given()``, else ``other_form()`` (and whether it came to that); where both fail, the first error.
+
+    The second try's own error (the target cannot take the other form, or there
+    is no checkpoint at all) says less than the first.
+    """
+    try:
+        return as_given(), False
+    except Exception as first:  # noqa: BLE001  (a framework's restore raises its own kinds)
+        try:
+            return other_form(), True
+        except Exception:  # noqa: BLE001
+            raise first from None
 
 
 def _restore_into(optimizer: Any, call: Callable[[], T], tx: Any, restore: Any) -> T:
@@ -421,9 +432,8 @@ def _restore_into(optimizer: Any, call: Callable[[], T], tx: Any, restore: Any) 
     """
     own = optimizer.opt_state
     scaled = _holds_loss_scaling(own)
-    try:
-        result = call()
-    except Exception as first:  # noqa: BLE001  (a framework's restore raises its own kinds)
+
+    def in_the_other_form() -> T:
         try:
             if scaled:
                 optimizer.opt_state = without_loss_scaling_state(own)
@@ -432,11 +442,12 @@ def _restore_into(optimizer: Any, call: Callable[[], T], tx: Any, restore: Any) 
                 optimizer.opt_state = jax.tree_util.tree_map(
                     _compat.nnx_optimizer_leaf, with_loss_scaling_state(own, template), is_leaf=_compat.nnx_is_object
                 )
-            result = call()
-        except Exception:  # noqa: BLE001
-            raise first from None
+            return call()
         finally:
             optimizer.opt_state = own
+
+    result, converted = _as_given_else(call, in_the_other_form)
+    if converted:
         _log_conversion(restore, scaled)
     _follow(tx, optimizer.opt_state)
     return result
@@ -455,7 +466,7 @@ def _log_conversion(restore: Any, scaled: bool) -> None:
 def _follow(tx: Any, restored: Any) -> None:
     """Set `tx`'s live scale to the one loss scale `restored` holds, where it holds one, concrete."""
     live = None if tx is None else find_live_scale(tx)
-    found = [x for x in jax.tree_util.tree_leaves(restored, is_leaf=_is_wrapped) if _is_wrapped(x)]
+    found = _loss_scaling_states(restored)
     if live is None or len(found) != 1:
         return
     scaler = found[0].scaler_state if isinstance(found[0], LossScaleState) else found[0]["scaler_state"]
@@ -491,7 +502,7 @@ def _target_name(fn: Callable[..., Any], bound: inspect.BoundArguments) -> str |
     if len(names) > 1:
         raise TypeError(
             f"jaxamp.scaling.restore_across_loss_scaling: {getattr(fn, '__qualname__', fn)!s} was called with "
-            f"{len(names)} arguments holding an optimizer state ({', '.join(names) or 'none'}); it needs "
+            f"{len(names)} arguments holding an optimizer state ({', '.join(names)}); it needs "
             "one at most, the restore target (a tree with an opt_state entry or field, or an nnx.Optimizer)."
         )
     return names[0]
