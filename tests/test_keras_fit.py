@@ -28,9 +28,10 @@ import pytest
 
 from jaxpr_walk import assert_all_matmuls_in
 
-keras = pytest.importorskip("keras")
-if keras.backend.backend() != "jax":
-    pytest.skip(f"Keras was imported with the {keras.backend.backend()} backend", allow_module_level=True)
+# Found, not imported: Keras's import (scikit-learn, pandas, scipy) takes 16 s, which
+# every pytest process collecting this file would pay; the fixtures import it.
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("could not import 'keras': No module named 'keras'", allow_module_level=True)
 
 CONFIGS = {
     "none": ("none", "jaxamp"),
@@ -41,7 +42,16 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def example():
+def keras():
+    import keras
+
+    if keras.backend.backend() != "jax":
+        pytest.skip(f"Keras was imported with the {keras.backend.backend()} backend")
+    return keras
+
+
+@pytest.fixture(scope="module")
+def example(keras):
     path = Path(__file__).resolve().parents[1] / "examples" / "keras_fit.py"
     spec = importlib.util.spec_from_file_location("example_keras_fit", path)
     module = importlib.util.module_from_spec(spec)
@@ -165,7 +175,7 @@ def test_a_too_large_first_scale_is_halved_until_float16_holds_the_backward_pass
     np.testing.assert_allclose(result["loss"][-1], runs["none"]["loss"][-1], rtol=0.05)  # seen: 1.2%, 9 steps behind
 
 
-def test_a_nan_batch_leaves_batchnorm_statistics_as_they_were(example):
+def test_a_nan_batch_leaves_batchnorm_statistics_as_they_were(example, keras):
     """The port's last line keeps the model's other non-trainable variables on a skipped step.
 
     Not the guide's model: a BatchNormalization and a Dropout before its Dense,

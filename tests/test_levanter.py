@@ -149,13 +149,17 @@ def _train_tiny_llama(
     resume: Any = None,
     nan_at: int | None = None,
     crash_on_nan: bool = True,
+    overflow: bool = False,
+    first_scale: float = 2.0**15,
 ) -> tuple[list[float], Any]:
     """`steps` steps of Levanter's Trainer on a tiny Llama, with porting.md's lines for `amp`.
 
     `total`: the run's length (its schedule), where it stops early to be resumed;
     `resume`: a checkpoint folder it resumes from, through porting.md's restore line;
     `nan_at`: the step given a bad batch (all tokens 0, as marked), whose loss and gradients are NaN;
-    `crash_on_nan`: Levanter's ``crash_on_nan`` and ``crash_on_inf``.
+    `crash_on_nan`: Levanter's ``crash_on_nan`` and ``crash_on_inf``;
+    `overflow`: the loss times 1e30, finite in float32, whose float16 backward pass overflows at every scale;
+    `first_scale`: `loss_scaling`'s first scale (its default: 2**15).
     """
     total = total or steps
     import functools
@@ -196,8 +200,14 @@ def _train_tiny_llama(
             bad = jnp.all(example.tokens.array == 0)
             return next_token_loss(model, example, **kwargs) * jnp.where(bad, jnp.nan, 1.0)
 
+    if overflow:
+        unscaled_loss = loss_function
+
+        def loss_function(model, example, **kwargs):
+            return 1e30 * unscaled_loss(model, example, **kwargs)
+
     if amp == "f16":  # docs/porting.md's two lines
-        optimizer = jaxamp.loss_scaling(optimizer)
+        optimizer = jaxamp.loss_scaling(optimizer, scaler=first_scale)
         loss_function = jaxamp.amp(loss_function, compute_dtype="f16", loss_scale=optimizer)
 
     if resume is not None:  # docs/porting.md's line: a checkpoint of either precision resumes
@@ -256,6 +266,17 @@ def test_levanter_trains_in_float16_as_porting_md_says(tmp_path, monkeypatch, ca
     # (seen: 5e-4 at most; float16 rounds to 11 bits, 4.9e-4 relative).
     assert f32[-1] < f32[0] - 1.0
     np.testing.assert_allclose(f16, f32, rtol=5e-3)
+
+
+def test_a_collapsing_scale_is_warned_through_levanters_hook(tmp_path, monkeypatch):
+    """porting.md's tracker hook alone: at the scale's floor every step overflows, and the monitor says so."""
+    pytest.importorskip("levanter")
+    _bool_loss_masks(monkeypatch)
+    with pytest.warns(UserWarning, match="the loss scale is at its floor"):
+        losses, state = _train_tiny_llama(tmp_path, "f16", 2, overflow=True, first_scale=1.0)
+    assert np.all(np.isfinite(losses))  # the loss itself is finite: Levanter's crash_on_nan/inf stay quiet
+    scale = state.opt_state.scaler_state
+    assert int(scale.total_resets) == 2 and float(scale.scaler) == 1.0
 
 
 def test_the_port_is_porting_md_lines():

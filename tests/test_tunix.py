@@ -268,14 +268,14 @@ def ppo_critic_losses(steps: int, precision: str) -> tuple[list, object]:
 
 def test_ppo_float16_actor_and_critic_each_with_its_own_scale():
     plain, _ = ppo_critic_losses(2, "f32")
-    losses, critic = ppo_critic_losses(6, "f16")
+    losses, critic = ppo_critic_losses(5, "f16")
     assert type(critic.model).__name__ == "AmpToyTransformerWithScoreHead"
     # The critic's value loss (about 340) times 2**15 overflows float16: its
     # first steps are skipped, the scale halving each time, then it trains as
     # float32 did, late by the skipped steps.
     loss_scale, skipped = scale(critic)
     print("critic losses: float32", plain, "float16", losses, "scale", loss_scale, "skipped", skipped)
-    assert 1 <= skipped <= 4 and loss_scale == 2.0 ** (15 - skipped)
+    assert 1 <= skipped <= 3 and loss_scale == 2.0 ** (15 - skipped)  # seen: 3
     # The critic stands still while skipped (its loss moves only with the rollouts the actor samples).
     np.testing.assert_allclose(losses[: skipped + 1], losses[0], rtol=1e-5)
     np.testing.assert_allclose(losses[skipped : skipped + 2], plain, rtol=1e-3)
