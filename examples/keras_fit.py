@@ -39,6 +39,7 @@ Usage:
 
     python examples/keras_fit.py --amp={none,bf16,f16} [--scaler={jaxamp,keras}] [--initial_scale=2.0**24] [--show_diff]
     python examples/keras_fit.py --table     # every run above, one line each
+    python examples/keras_fit.py --lso_alone # float32 with LossScaleOptimizer swapped in alone (a trap)
 """
 
 from __future__ import annotations
@@ -309,6 +310,28 @@ def run(amp: str = "none", scaler: str = "jaxamp", initial_scale: float | None =
     return out
 
 
+def lso_alone(optimizer: str) -> dict[str, list[float]]:
+    """The guide in float32 with `optimizer`, plain and inside Keras's LossScaleOptimizer with nothing else changed.
+
+    The trap porting.md warns of: the guide's ``train_step`` never scales the
+    loss, so the wrapper only divides true-scale gradients by its scale.
+    """
+    import keras
+
+    losses = {}
+    for name, compiled in (
+        ("plain", f'"{optimizer}"'),
+        ("LossScaleOptimizer alone", f'keras.optimizers.LossScaleOptimizer(keras.optimizers.get("{optimizer}"))'),
+    ):
+        source = GUIDE.replace('model.compile(optimizer="adam"', f"model.compile(optimizer={compiled}")
+        keras.utils.set_random_seed(0)
+        namespace: dict = {}
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(source, f"<custom_train_step_in_jax, {optimizer}>", "exec"), namespace)
+        losses[name] = [float(v) for v in namespace["model"].history.history["loss"]]
+    return losses
+
+
 def _line(name: str, result: dict, reference: list[float] | None) -> str:
     losses = " ".join(f"{v:.5f}" for v in result["loss"])
     line = f"{name:34s} loss per epoch: {losses}"
@@ -332,7 +355,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--initial_scale", type=_number, default=None, help="f16's first scale, e.g. 2.0**24")
     parser.add_argument("--show_diff", action="store_true", help="print the port's diff against the guide")
     parser.add_argument("--table", action="store_true", help="run every configuration, one line each")
+    parser.add_argument(
+        "--lso_alone", action="store_true", help="float32, SGD and Adam, with LossScaleOptimizer swapped in alone"
+    )
     args = parser.parse_args(argv)
+    if args.lso_alone:
+        results = {}
+        for optimizer in ("sgd", "adam"):
+            results[optimizer] = lso_alone(optimizer)
+            for name, losses in results[optimizer].items():
+                print(f"{optimizer:5s} {name:25s} loss per epoch: {' '.join(f'{v:.5f}' for v in losses)}", flush=True)
+        return results
     if args.table:
         runs = {
             "float32 (the guide, unedited)": ("none", "jaxamp", None),
