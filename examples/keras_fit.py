@@ -290,18 +290,27 @@ def scale_figures(model, steps: int) -> dict:
     }
 
 
-def run(amp: str = "none", scaler: str = "jaxamp", initial_scale: float | None = None, quiet: bool = False) -> dict:
-    """Run the edited guide (seed 0); returns its module namespace, epoch losses and f16's scale."""
+def execute(source: str, label: str, quiet: bool = False) -> types.ModuleType:
+    """Run `source` (the guide's program, edited) as a module of its own, Keras seeded with 0; the module.
+
+    `label` names the module (Keras looks a model's class up by its module) and
+    the code; `quiet` hides fit's progress bars.
+    """
     import keras
 
-    source = edited_source(amp, scaler, initial_scale)
     keras.utils.set_random_seed(0)  # not the guide's: the same weights and data every run
-    module = types.ModuleType(f"keras_fit_guide_{amp}_{scaler}")
+    module = types.ModuleType(f"keras_fit_guide_{label}")
     module.__file__ = __file__
-    sys.modules[module.__name__] = module  # Keras looks a model's class up by its module
-    code = compile(source, f"<custom_train_step_in_jax, amp={amp}>", "exec", dont_inherit=True)
+    sys.modules[module.__name__] = module
+    code = compile(source, f"<custom_train_step_in_jax, {label}>", "exec", dont_inherit=True)
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        exec(code, module.__dict__)  # fit's progress bars print to stdout
+        exec(code, module.__dict__)
+    return module
+
+
+def run(amp: str = "none", scaler: str = "jaxamp", initial_scale: float | None = None, quiet: bool = False) -> dict:
+    """Run the edited guide (seed 0); returns its module namespace, epoch losses and f16's scale."""
+    module = execute(edited_source(amp, scaler, initial_scale), f"{amp}_{scaler}", quiet)
     model = module.model
     out = {"module": module, "model": model, "loss": [float(v) for v in model.history.history["loss"]]}
     if amp == "f16":
@@ -316,19 +325,15 @@ def lso_alone(optimizer: str) -> dict[str, list[float]]:
     The trap porting.md warns of: the guide's ``train_step`` never scales the
     loss, so the wrapper only divides true-scale gradients by its scale.
     """
-    import keras
-
+    compiled = {
+        "plain": f'"{optimizer}"',
+        "LossScaleOptimizer alone": f'keras.optimizers.LossScaleOptimizer(keras.optimizers.get("{optimizer}"))',
+    }
     losses = {}
-    for name, compiled in (
-        ("plain", f'"{optimizer}"'),
-        ("LossScaleOptimizer alone", f'keras.optimizers.LossScaleOptimizer(keras.optimizers.get("{optimizer}"))'),
-    ):
-        source = GUIDE.replace('model.compile(optimizer="adam"', f"model.compile(optimizer={compiled}")
-        keras.utils.set_random_seed(0)
-        namespace: dict = {}
-        with contextlib.redirect_stdout(io.StringIO()):
-            exec(compile(source, f"<custom_train_step_in_jax, {optimizer}>", "exec"), namespace)
-        losses[name] = [float(v) for v in namespace["model"].history.history["loss"]]
+    for i, (name, optimizer_code) in enumerate(compiled.items()):
+        source = GUIDE.replace('model.compile(optimizer="adam"', f"model.compile(optimizer={optimizer_code}")
+        model = execute(source, f"lso_alone_{optimizer}_{i}", quiet=True).model
+        losses[name] = [float(v) for v in model.history.history["loss"]]
     return losses
 
 

@@ -11,10 +11,8 @@ only casting. Runs where Keras is installed (``pip install keras``), on its JAX 
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import importlib.util
-import io
 import os
 import sys
 from pathlib import Path
@@ -175,7 +173,7 @@ def test_a_too_large_first_scale_is_halved_until_float16_holds_the_backward_pass
     np.testing.assert_allclose(result["loss"][-1], runs["none"]["loss"][-1], rtol=0.05)  # seen: 1.2%, 9 steps behind
 
 
-def test_a_nan_batch_leaves_batchnorm_statistics_as_they_were(example, keras):
+def test_a_nan_batch_leaves_batchnorm_statistics_as_they_were(example):
     """The port's last line keeps the model's other non-trainable variables on a skipped step.
 
     Not the guide's model: a BatchNormalization and a Dropout before its Dense,
@@ -187,11 +185,8 @@ def test_a_nan_batch_leaves_batchnorm_statistics_as_they_were(example, keras):
         "outputs = keras.layers.Dense(1)(keras.layers.Dropout(0.1)(keras.layers.BatchNormalization()(inputs)))",
     )
     source = source.replace("model.fit(x, y, epochs=3)", "model.fit(x, y, epochs=1)")
-    keras.utils.set_random_seed(0)
-    namespace = {}
-    with contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(source, "<keras_fit with BatchNormalization>", "exec"), namespace)
-    model, x, y = namespace["model"], namespace["x"][:32].copy(), namespace["y"][:32]
+    module = example.execute(source, "batchnorm", quiet=True)
+    model, x, y = module.model, module.x[:32].copy(), module.y[:32]
     assert all(a is b for a, b in zip(model.non_trainable_variables[:7], model.loss_scale))
     others = model.non_trainable_variables[7:]  # moving mean and variance, Dropout's seed
     before, skipped = _values(others), example.scale_figures(model, 32)["skipped_steps"]
