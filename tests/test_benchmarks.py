@@ -18,6 +18,11 @@ from benchmarks.variants import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+# Each benchmark collects garbage before every sample it times: over its own objects only.
+pytestmark = pytest.mark.usefixtures("earlier_objects_frozen")
+
+
 # Compiled HLO as this JAX prints it: converts at top level, inside a fusion, of
 # a scalar, and look-alikes that are not converts.
 _HLO = """\

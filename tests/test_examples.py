@@ -33,18 +33,21 @@ def _load_example(name):
 def test_digits_amp_trains_all_modes(tmp_path):
     digits_amp = _load_example("digits_amp")
     # Batches of 32, half the default: a step costs about half (float8 is emulated on a CPU).
-    argv = ["--steps", "40", "--batch-size", "32", "--out", str(tmp_path), "--patience", "10"]
+    # 20 steps at 3x the default learning rate: about as far as 40 at the default (73-79%
+    # test accuracy measured; 67-84% with seeds 1 and 2), for half the steps. float16's
+    # scale doubles every 5 finite steps, so it still overflows and skips a step (step 18).
+    argv = ["--steps", "20", "--lr", "3e-3", "--batch-size", "32", "--out", str(tmp_path), "--patience", "5"]
     out = digits_amp.main(argv)
     runs = out["runs"]
     assert set(runs) == {"float32", "amp bf16", "amp f16 + loss scaling", "amp fp8"}
     for name, r in runs.items():
-        assert len(r.losses) == 40, name
+        assert len(r.losses) == 20, name
         assert all(math.isfinite(x) for x in r.losses[-10:]), name
-        # Ten classes: chance is 10%; 40 steps of Adam get far above it (76-85% measured).
+        # Ten classes: chance is 10%; 20 steps of Adam get far above it.
         assert 50.0 < r.test_accuracy <= 100.0, (name, r.test_accuracy)
         assert r.nonfinite_params == 0, name
     scaled = runs["amp f16 + loss scaling"]
-    assert len(scaled.loss_scales) == 40 and all(s > 0 for s in scaled.loss_scales)
+    assert len(scaled.loss_scales) == 20 and all(s > 0 for s in scaled.loss_scales)
     assert scaled.skipped_steps == len(scaled.skipped_at)
     assert out["plot"].exists() and out["plot"].stat().st_size > 0
 
@@ -97,8 +100,10 @@ def test_char_lm_float16_trains_with_the_scale_in_the_optimizer_state(char_lm_ru
 
 def test_char_lm_monitor_writes_the_report_and_suggests_a_policy(tmp_path):
     char_lm = _load_example("char_lm")
+    # No sampled bytes: sampling is the smoke test's (it samples every mode), and monitoring
+    # reaches only the training steps; without it no sampling program is compiled here.
     argv = [
-        *CHAR_LM_TINY, "--sample-chars", "2", "--modes", "float32,amp bf16", "--monitor", str(tmp_path),
+        *CHAR_LM_TINY, "--sample-chars", "0", "--modes", "float32,amp bf16", "--monitor", str(tmp_path),
         "--monitor-every", "2",
     ]  # fmt: skip
     out = char_lm.main(argv)

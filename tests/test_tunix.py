@@ -56,6 +56,10 @@ CACHE = 16
 OVERFLOW = 1e9
 
 
+# Tunix calls gc.collect() as it builds an RL cluster, reshards a model or makes a learner.
+pytestmark = pytest.mark.usefixtures("earlier_objects_frozen")
+
+
 def toy() -> nnx.Module:
     return tc.ToyTransformer(CONFIG, rngs=nnx.Rngs(0))
 
@@ -307,31 +311,38 @@ def test_sft_peft_trainer_under_amp_module_and_amp_loss():
 
 
 def sft_trainer(directory, max_steps: int, optimizer, f16: bool = False) -> peft_trainer.PeftTrainer:
-    """A PeftTrainer on a fresh ToyTransformer, two micro-batches a step, checkpointing each step.
+    """A PeftTrainer on a fresh ToyTransformer, two micro-batches a step, checkpointing each step in `directory`.
 
     `f16`: docs/porting.md's two lines, `optimizer` a `jaxamp.loss_scaling`.
+    `directory` None: no checkpoints, for a run nothing restores (an Orbax save
+    is about 0.3 s of CPU, and the checkpointing does not enter the step Tunix compiles).
     """
     model = toy()
     if f16:
         jaxamp.amp_module(model, compute_dtype="f16", loss_scale=optimizer)
+    checkpointing = {}
+    if directory is not None:
+        checkpointing = dict(
+            checkpoint_root_directory=str(directory),
+            checkpointing_options=ocp.CheckpointManagerOptions(
+                save_interval_steps=1, max_to_keep=1, enable_async_checkpointing=False
+            ),
+        )
     config = peft_trainer.TrainingConfig(
-        eval_every_n_steps=100,
-        max_steps=max_steps,
-        gradient_accumulation_steps=2,
-        checkpoint_root_directory=str(directory),
-        checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=1, max_to_keep=1, enable_async_checkpointing=False
-        ),
+        eval_every_n_steps=100, max_steps=max_steps, gradient_accumulation_steps=2, **checkpointing
     )
     return peft_trainer.PeftTrainer(model, optimizer, config)
 
 
-def f16_sft_trainer(directory, max_steps: int):
+def f16_sft_trainer(directory, max_steps: int, **scaling):
     """`sft_trainer` in float16 (the optimizer handed to Tunix wrapped, which Tunix wraps in ``optax.MultiSteps``).
 
-    The loss is Tunix's default times the batch's ``factor``.
+    The loss is Tunix's default times the batch's ``factor``; `scaling`, the
+    `jaxamp.loss_scaling` arguments (its initial ``scaler``: a value in its
+    cells, not in the program, so every such trainer runs the one program,
+    compiled once for all of them through the session's compilation cache).
     """
-    trainer = sft_trainer(directory, max_steps, jaxamp.loss_scaling(optax.adam(1e-2)), f16=True)
+    trainer = sft_trainer(directory, max_steps, jaxamp.loss_scaling(optax.adam(1e-2), **scaling), f16=True)
     tunix_loss = trainer.loss_fn
 
     def loss(model, input_tokens, input_mask, positions, attention_mask, factor):
@@ -386,7 +397,7 @@ def test_sft_float16_with_micro_batches_skips_the_overflowing_step_and_orbax_res
     assert not same(host(nnx.state(restored.model, nnx.Param)), final_params)
 
 
-def test_the_scale_in_tunix_logs_through_its_training_hooks_and_a_collapse_is_warned(tmp_path):
+def test_the_scale_in_tunix_logs_through_its_training_hooks_and_a_collapse_is_warned():
     # porting.md's hook, run as the docs give it: one LossScaleMonitor(record=True)
     # update a step sends the scale to jax.monitoring, whose listeners Tunix's
     # metrics logger registers (its TensorBoard among them), and warns where
@@ -405,7 +416,7 @@ def test_the_scale_in_tunix_logs_through_its_training_hooks_and_a_collapse_is_wa
 
     jax.monitoring.register_scalar_listener(listener)
     try:
-        trainer = f16_sft_trainer(tmp_path, max_steps=3)
+        trainer = f16_sft_trainer(None, max_steps=3)  # nothing restores it: no checkpoints
         trainer.with_training_hooks(LossScaleHooks())
         factors = [1.0, 1.0, OVERFLOW, OVERFLOW, 1.0, 1.0]  # the second real step overflows
         trainer.train([dict(sft_batches(1)[0], factor=jnp.float32(f)) for f in factors])
@@ -419,20 +430,13 @@ def test_the_scale_in_tunix_logs_through_its_training_hooks_and_a_collapse_is_wa
     assert by_step["skipped_steps"] == [(0, 0), (1, 0), (2, 1), (3, 1)]
 
     # At its floor (a scale of 1, every step overflowing) the monitor says so, from the hook alone.
-    model = toy()
-    optimizer = jaxamp.loss_scaling(optax.adam(1e-2), scaler=1.0)
-    jaxamp.amp_module(model, compute_dtype="f16", loss_scale=optimizer)
-    config = peft_trainer.TrainingConfig(eval_every_n_steps=100, max_steps=2)
-    floored = peft_trainer.PeftTrainer(model, optimizer, config)
+    # The trainer above with its scale starting at 1 (the program it compiled: no compile here),
+    # every micro-batch's loss times 1e30, which overflows float16's backward pass at a scale of 1.
+    floored = f16_sft_trainer(None, max_steps=2, scaler=1.0)
     floored.with_training_hooks(LossScaleHooks())
-    tunix_loss = floored.loss_fn
-
-    def overflowing(model, input_tokens, input_mask, positions, attention_mask):
-        return 1e30 * tunix_loss(model, input_tokens, input_mask, positions, attention_mask)
-
-    floored.with_loss_fn(overflowing)
     with pytest.warns(UserWarning, match="the loss scale is at its floor"):
-        floored.train(sft_batches(2))
+        floored.train([dict(sft_batches(1)[0], factor=jnp.float32(1e30))] * 4)
+    assert floored.train_steps == 2 and scale(floored) == (1.0, 2)  # both real steps skipped, at the floor
 
 
 def test_a_checkpoint_changes_precision_through_tunixs_own_restore(tmp_path, monkeypatch, caplog):
@@ -440,7 +444,7 @@ def test_a_checkpoint_changes_precision_through_tunixs_own_restore(tmp_path, mon
 
     manager = checkpoint_manager.CheckpointManager
     batches = sft_batches(12)  # 6 real steps of 2 micro-batches; a resumed trainer skips those trained
-    reference = sft_trainer(tmp_path / "reference", 6, optax.adam(1e-2))
+    reference = sft_trainer(None, 6, optax.adam(1e-2))  # uninterrupted: nothing restores it, no checkpoints
     reference.train(batches)
     uninterrupted = reference.metrics_logger.get_metric_history("", "loss", "train")
 

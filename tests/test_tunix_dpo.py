@@ -27,6 +27,10 @@ pytest.importorskip("qwix")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Tunix calls gc.collect() as it builds its trainers and learners.
+pytestmark = pytest.mark.usefixtures("earlier_objects_frozen")
+
+
 def load_example(name: str):
     # The examples are scripts, not a package: import them from their files.
     path = ROOT / "examples" / f"{name}.py"
