@@ -1,4 +1,4 @@
-"""Every API x every sharding mode x every layout, on 4 CPU devices (a 2 x 2 mesh).
+"""Every API in every sharding mode and the layouts it sees, on 4 CPU devices (a 2 x 2 mesh).
 
 Modes: `jax.jit` on an Explicit mesh (`jax.make_mesh`'s default), on an Auto
 mesh, and a `shard_map` body (Auto mesh, ``check_vma=True``). Layouts: data
@@ -11,6 +11,12 @@ test checks it against the one-device float32 result (the tolerance of the
 API's compute dtype), and, under `jit`, that every gradient has exactly the
 sharding (`jax.typeof`) that `jax.grad` of the plain loss gives it: amp and
 the scalers never change a sharding.
+
+Every API runs in every mode on the FSDP layout. The other two layouts take the
+APIs whose own code sees the layout: amp's casts, float8's per-tensor scales
+and float32 reductions, and the redo loop, whose condition must be one verdict
+across the shards. The rest only scale, select or cast the gradients those
+compute, elementwise, and a layout changes nothing of that.
 """
 
 import functools
@@ -202,6 +208,10 @@ def _run(api, mode, layout):
         return jax.jit(fn)(*args), None
 
 
+# The APIs whose own code sees the layout (the module's docstring): these take every layout.
+EVERY_LAYOUT = {"amp bf16", "amp fp8", "amp f16 float32 reductions", "dynamic_scale_value_and_grad redo"}
+
+
 def _layouts(on_oldest_jax):
     """Every layout; the oldest-JAX leg of .ci/run takes only `on_oldest_jax` (the code paths are the same)."""
     return [
@@ -209,9 +219,23 @@ def _layouts(on_oldest_jax):
     ]
 
 
-@pytest.mark.parametrize("layout", _layouts("fsdp"))
+def _api_layouts():
+    """The APIs of EVERY_LAYOUT on every layout, the others on FSDP; on the oldest JAX, EVERY_LAYOUT's on FSDP."""
+    return [
+        pytest.param(
+            api,
+            *layout.values,
+            marks=layout.marks if api in EVERY_LAYOUT else pytest.mark.newest_only,
+            id=f"{api}-{layout.values[0]}",
+        )
+        for api in sorted(APIS)
+        for layout in _layouts("fsdp")
+        if api in EVERY_LAYOUT or layout.values[0] == "fsdp"
+    ]
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("api", sorted(APIS))
+@pytest.mark.parametrize("api, layout", _api_layouts())
 def test_api_on_every_mode_and_layout(api, mode, layout):
     (value, grads), plain_grads = _run(api, mode, layout)
     params, x, y = _problem()

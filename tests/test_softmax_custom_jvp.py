@@ -79,7 +79,17 @@ def _assert_grads_match(got, want, dtype) -> None:
         np.testing.assert_allclose(np.asarray(g, np.float64), e, rtol=0, atol=tolerance)
 
 
-@pytest.mark.parametrize("options", AMP_OPTIONS.values(), ids=AMP_OPTIONS.keys())
+# The oldest-JAX leg takes float16 alone: the softmax JAX traces is the same whatever amp runs it in.
+ON_OLDEST_JAX = "f16"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(options, id=name, marks=() if name == ON_OLDEST_JAX else pytest.mark.newest_only)
+        for name, options in AMP_OPTIONS.items()
+    ],
+)
 @pytest.mark.parametrize("name", LOSSES)
 def test_grad_matches_float32_with_the_flag_on_and_off(softmax_custom_jvp, name, options):
     loss = LOSSES[name]
@@ -144,6 +154,7 @@ def test_a_rule_computing_its_tangent_in_a_body_it_calls(where, options):
     assert_all_matmuls_in(jax.make_jaxpr(amp_loss)(X, W), dtype)
 
 
+@pytest.mark.newest_only
 def test_a_rules_primal_values_still_saturate_to_float16():
     # A float32 fill of -1e9 (an attention mask's) met in float16 in a jit'd
     # helper of the rule: cast plainly it would be -inf, and the fully masked
