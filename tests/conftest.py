@@ -39,6 +39,24 @@ import gc  # noqa: E402
 import pytest  # noqa: E402  (after the XLA flag above)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Deselect the tests the file ``JAXAMP_TESTS_DESELECT`` names lists, a test id a line ('#': a comment).
+
+    .ci/run's oldest-JAX leg names .ci/oldest_deselected.txt (an environment
+    variable: pytest reads a conftest's options only where it is given the
+    conftest's folder).
+    """
+    path = os.environ.get("JAXAMP_TESTS_DESELECT")
+    if not path:
+        return
+    with open(path) as f:
+        listed = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    deselected = [item for item in items if item.nodeid in listed]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.nodeid not in listed]
+
+
 def pytest_unconfigure(config):
     if _SESSION_CACHE is not None and not hasattr(config, "workerinput"):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
