@@ -8,11 +8,12 @@ script reads a branch-coverage run of the leg, one coverage context per test
 per second first, until every branch the leg reaches is reached. It keeps as
 well every test that runs jaxamp in subprocesses or reaches none of it
 (coverage cannot see those), every test whose cases are JAX's own code, which
-differs between versions (`ALWAYS`), and one test of every module. It writes the others, one test id a
-line, to ``.ci/oldest_deselected.txt``, which .ci/run hands the leg
-(``JAXAMP_TESTS_DESELECT``, tests/conftest.py): they still run on the newest
-JAX, as every test does. Whole test functions are marked ``@pytest.mark.newest_only``
-in their modules instead, where the reason is the module's own.
+differs between versions (`ALWAYS`), and one test of every module. It writes
+the others, one test id a line, to ``.ci/oldest_deselected.txt``, which .ci/run
+hands the leg (``JAXAMP_TESTS_DESELECT``, tests/conftest.py): they still run on
+the newest JAX, as every test does. Tests marked ``@pytest.mark.newest_only`` (a
+compute dtype or a layout that takes the same code path, or whole functions an
+earlier version of this script picked) are not in the run it reads.
 
 Run on the oldest JAX (pytest-cov is not among the project's dependencies; the
 empty ``addopts`` runs the tests in this process, without xdist's ``--dist``,

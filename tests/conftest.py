@@ -40,7 +40,7 @@ import pytest  # noqa: E402  (after the XLA flag above)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Deselect the tests the file ``JAXAMP_TESTS_DESELECT`` names lists, a test id a line ('#': a comment).
+    """Deselect the tests listed, a test id a line ('#': a comment), in the file ``JAXAMP_TESTS_DESELECT`` names.
 
     .ci/run's oldest-JAX leg names .ci/oldest_deselected.txt (an environment
     variable: pytest reads a conftest's options only where it is given the

@@ -149,7 +149,6 @@ def test_every_form_of_loss_scale_gives_the_same_gradients():
         assert _bits(result) == _bits(results[0])
 
 
-@pytest.mark.newest_only
 def test_the_decorator_form_takes_loss_scale():
     params, (x, y) = _params(), _batch()
     loss = jaxamp.amp(compute_dtype="f16", loss_scale=4.0)(_loss)

@@ -368,7 +368,6 @@ def _data_parallel_step(loss, params, state, x, c, mesh):
 @pytest.mark.parametrize("check_vma", [True, False])
 # On the oldest JAX, one axis type: the body is traced alike on both.
 @pytest.mark.parametrize("kind", [AxisType.Auto, pytest.param(AxisType.Explicit, marks=pytest.mark.newest_only)])
-@pytest.mark.newest_only
 def test_a_shard_map_body_takes_its_histories_as_one_device_does(kind, check_vma):
     """amp around a shard_map: the body takes the histories as replicated inputs; each device's observation
     is the maximum over all of them, counted once although every device holds the state (with check_vma off,

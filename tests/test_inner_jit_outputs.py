@@ -101,7 +101,6 @@ def problems(draw):
 
 @EXAMPLES
 @given(problems())
-@pytest.mark.newest_only
 def test_grad_of_amp_matches_float32_whatever_an_inner_jit_returns(problem):
     kinds, jits, dtype, x, w = problem
     loss = _loss(_inner(kinds, jits))

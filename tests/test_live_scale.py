@@ -80,7 +80,6 @@ def test_gradients_match_the_state_path_bit_for_bit_and_float32_within_tolerance
     assert np.linalg.norm(g_live - g32) <= F16_RTOL * np.linalg.norm(g32)
 
 
-@pytest.mark.newest_only
 def test_the_live_scale_follows_the_state_it_moves():
     tx = jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**10, patience=2)
     w = _params()
@@ -129,7 +128,6 @@ def test_gradients_scaled_by_another_transformations_live_scale_are_said_at_the_
     assert not bool(state.last_finite)
 
 
-@pytest.mark.newest_only
 def test_two_losses_each_given_its_own_transformation_are_not_warned_about():
     tx_a, tx_b = jaxamp.loss_scaling(optax.adam(1e-2)), jaxamp.loss_scaling(optax.adam(1e-2))
     loss_a = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx_a)
@@ -148,7 +146,6 @@ def test_two_losses_each_given_its_own_transformation_are_not_warned_about():
         step(w, w, tx_a.init(w), tx_b.init(w), *_batch())
 
 
-@pytest.mark.newest_only
 def test_an_elementwise_clip_before_the_update_does_not_hide_the_overflow():
     tx = jaxamp.loss_scaling(optax.sgd(0.1))
     loss = jaxamp.amp(_loss, compute_dtype="f16", loss_scale=tx)
@@ -205,7 +202,6 @@ def test_inside_multisteps_a_real_step_is_skipped_iff_a_micro_batch_of_it_overfl
 
 
 @pytest.mark.parametrize("jit_init", [False, True], ids=["eager_init", "jitted_init"])
-@pytest.mark.newest_only
 def test_multisteps_around_the_live_scale_gets_zeros_and_an_unwrapped_one_nan(jit_init):
     # MultiSteps resets its accumulator by multiplying it by 0, which keeps a
     # NaN: its init tells the transformation (also when the init is traced),
@@ -310,7 +306,6 @@ def test_restored_through_restore_across_loss_scaling_the_first_step_runs_at_the
     assert (_scale(opt_state), _skipped(opt_state)) == (2.0**23, 1)
 
 
-@pytest.mark.newest_only
 def test_inside_multisteps_a_stale_overflow_after_a_restore_skips_its_real_step():
     w = _params()
     restored = optax.MultiSteps(jaxamp.loss_scaling(optax.sgd(0.1), scaler=2.0**3), 2).init(w)

@@ -82,7 +82,6 @@ def _live_step(tx):
     return lambda w, s, batch: tx.update(grad(w, *batch), s, w)
 
 
-@pytest.mark.newest_only
 def test_a_second_init_after_the_gradient_was_traced_still_skips_an_overflow():
     # A reset or a second run in the process: the gradient function traced
     # before the init must tell the update the new init made about its overflow.
@@ -119,7 +118,6 @@ def test_apply_if_finite_around_the_wrapper_given_as_state_is_refused_naming_wha
         jaxamp.amp(_loss, compute_dtype="f16", loss_scale=state)
 
 
-@pytest.mark.newest_only
 def test_a_forward_only_live_call_leaves_a_later_state_path_step_unwarned():
     evaluated_by = jaxamp.loss_scaling(optax.adam(1e-2))
     evaluated_by.init(_params())
@@ -137,7 +135,6 @@ def _state_step_jitted_apart_unwarned():
         return jax.jit(tx.update)(grad(_params(), state), state, _params())[1]
 
 
-@pytest.mark.newest_only
 def test_a_pmap_step_given_the_state_after_a_live_eval_of_the_same_transformation():
     n = 2
     tx = jaxamp.loss_scaling(optax.sgd(0.1), axis_name="d")
@@ -184,7 +181,6 @@ def test_inject_hyperparams_around_the_wrapper_is_refused_naming_the_order_that_
     [jax.grad, lambda f: jax.jit(jax.grad(f)), lambda f: eqx.filter_value_and_grad(f)],
     ids=["grad", "jit_of_grad", "eqx_filter_value_and_grad"],
 )
-@pytest.mark.newest_only
 def test_amp_of_a_function_taking_its_own_gradient_warns_when_jitted_apart_from_the_update(inner_grad):
     # The loss scale reaches no backward pass there: float16 gradients flush.
     tx = jaxamp.loss_scaling(optax.adam(1e-2))
@@ -194,12 +190,10 @@ def test_amp_of_a_function_taking_its_own_gradient_warns_when_jitted_apart_from_
         grad(_params(), state)
 
 
-@pytest.mark.newest_only
 def test_amp_inside_the_gradient_jitted_apart_from_the_update_is_not_warned_about():
     assert bool(_state_step_jitted_apart_unwarned().last_finite)
 
 
-@pytest.mark.newest_only
 def test_one_overflowing_gradient_handed_to_two_updates_is_skipped_by_both():
     # The state path's NaN gradients are skipped by every update they reach;
     # the live scale's flag stays set for each update until the next backward pass.
@@ -224,7 +218,6 @@ def _state_step(tx):
     return lambda w, s, batch: tx.update(grad(w, s, *batch), s, w)
 
 
-@pytest.mark.newest_only
 def test_a_discarded_overflowing_gradient_changes_nothing_with_the_live_scale():
     # A probe (a grad-norm diagnostic) whose gradient is never applied: the
     # overflow travels in that gradient, so the next clean step is taken, as
@@ -265,7 +258,6 @@ def test_a_second_state_on_one_transformation_is_said_and_an_overflow_above_its_
     assert int(jaxamp.scaling.scale_metrics(first)["skipped_steps"]) == 2
 
 
-@pytest.mark.newest_only
 def test_a_restored_state_steps_at_once_and_an_overflow_at_the_initial_scale_keeps_its_scale():
     # A new process (a new transformation) restores a state whose scale is
     # below the initial one: the first step reads the initial scale (the cells

@@ -247,7 +247,6 @@ def test_forward_mode_is_an_error_naming_amp_and_loss_scale(forward):
     ],
     ids=["checkpoint", "scan"],
 )
-@pytest.mark.newest_only
 def test_checkpoint_and_scan_around_the_amped_loss_run_eagerly(around):
     w, x = _params(), _x()
     loss = around(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=_state()))
@@ -297,7 +296,6 @@ def test_an_optimizer_whose_gradients_no_amp_call_scaled_is_said_at_the_update(m
         step(optimizer.init(_params()))
 
 
-@pytest.mark.newest_only
 def test_a_gradient_jitted_apart_from_the_update_is_not_warned_of(recwarn):
     optimizer = jaxamp.loss_scaling(optax.sgd(0.1))
     state = optimizer.init(_params())
@@ -335,7 +333,6 @@ def test_a_returned_dict_shaped_like_the_batch_comes_back_as_computed():
     assert not np.array_equal(np.asarray(out["image"]), np.asarray(batch["image"]), equal_nan=True)
 
 
-@pytest.mark.newest_only
 def test_a_nan_metric_beside_the_loss_does_not_hold_back_the_statistics_of_an_applied_step():
     stats = {"bn": {"mean": jnp.zeros(D)}}
 

@@ -56,7 +56,6 @@ def _scale(kind):
     b_axis=st.sampled_from([None, 0, "closed"]),
     scale_kind=st.sampled_from(["float", "state", "tx"]),
 )
-@pytest.mark.newest_only
 def test_vmap_of_amp_gives_true_scale_gradients_for_batched_and_shared_inputs(w_axis, b_axis, scale_kind):
     """Each parameter mapped (one copy per example), shared (``in_axes=None``) or closed over."""
     w, b, x = _inputs()
@@ -103,7 +102,6 @@ def test_vmap_of_amp_matmul_runs_in_float16():
     ]
 
 
-@pytest.mark.newest_only
 def test_vmap_of_amp_overflow_gives_nan_gradients_for_the_shared_parameters():
     w, b, x = _inputs()
     model = jaxamp.amp(_model, compute_dtype="f16", loss_scale=2.0**15)
@@ -115,7 +113,6 @@ def test_vmap_of_amp_overflow_gives_nan_gradients_for_the_shared_parameters():
     assert np.all(np.isnan(gw)) and np.all(np.isnan(gb))
 
 
-@pytest.mark.newest_only
 def test_vmap_of_amp_with_the_live_scale_carries_the_overflow_in_the_gradient():
     # One flag cannot hold a decision per example: under vmap the live scale's
     # overflow travels as NaN, as the state's does, and the update skips it.
@@ -138,7 +135,6 @@ def _members(w):
     return jnp.stack([w, w * 0.5])
 
 
-@pytest.mark.newest_only
 def test_vmap_over_optimizer_states_trains_each_member_at_its_own_scale():
     w, b, x = _inputs()
     tx = jaxamp.loss_scaling(optax.sgd(0.1))

@@ -353,7 +353,6 @@ def test_building_loss_scaling_starts_no_jax_backend():
     assert done.stdout.split() == ["4096.0", "32768.0"]
 
 
-@pytest.mark.newest_only
 def test_a_bad_setting_is_still_refused_before_any_array_is_made():
     with pytest.raises(ValueError, match="scaler must be >= min_scaler"):
         jaxamp.loss_scaling(optax.sgd(0.1), scaler=0.5, min_scaler=1.0)

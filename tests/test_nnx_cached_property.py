@@ -101,7 +101,6 @@ def bf16_matmuls(fn, model, *args, at_least=1):
     assert_all_matmuls_in(jaxpr, jnp.bfloat16, at_least=at_least)
 
 
-@pytest.mark.newest_only
 def test_eager_call_sets_the_table_on_the_callers_module():
     model, plain = Rope(nnx.Rngs(0)), Rope(nnx.Rngs(0))
     got = AMP_LOSS(model, X)
@@ -112,7 +111,6 @@ def test_eager_call_sets_the_table_on_the_callers_module():
     bf16_matmuls(AMP_LOSS, Rope(nnx.Rngs(0)), X)
 
 
-@pytest.mark.newest_only
 def test_under_nnx_jit_amp_leaves_what_flax_leaves():
     # Each jit its own function: flax's own jit cache cannot compare graph
     # definitions that hold arrays (a second module through one nnx.jit'd
@@ -133,7 +131,6 @@ def test_under_nnx_jit_amp_leaves_what_flax_leaves():
     assert not isinstance(left(model), str)
 
 
-@pytest.mark.newest_only
 def test_value_and_grad_matches_float32_and_sets_the_table():
     model, plain = Rope(nnx.Rngs(0)), Rope(nnx.Rngs(0))
     value, grads = nnx.value_and_grad(AMP_LOSS)(model, X)
@@ -167,7 +164,6 @@ def test_amp_module_and_a_fresh_instance_restored_from_its_state():
     assert_close(nnx.merge(graphdef, state)(X), plain(X), "merged copy")
 
 
-@pytest.mark.newest_only
 def test_under_a_loss_scale_a_cache_is_kept_as_built():
     tx = jaxamp.loss_scaling(optax.sgd(0.1))
     model, plain = Rope(nnx.Rngs(0)), Rope(nnx.Rngs(0))
@@ -216,7 +212,6 @@ class Invalidating(Rope):
         return out
 
 
-@pytest.mark.newest_only
 def test_a_deleted_attribute_is_deleted_on_the_callers_module():
     model = Invalidating(nnx.Rngs(0))
     AMP_LOSS(model, X)

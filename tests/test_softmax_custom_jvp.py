@@ -154,7 +154,6 @@ def test_a_rule_computing_its_tangent_in_a_body_it_calls(where, options):
     assert_all_matmuls_in(jax.make_jaxpr(amp_loss)(X, W), dtype)
 
 
-@pytest.mark.newest_only
 def test_a_rules_primal_values_still_saturate_to_float16():
     # A float32 fill of -1e9 (an attention mask's) met in float16 in a jit'd
     # helper of the rule: cast plainly it would be -inf, and the fully masked
