@@ -5,11 +5,8 @@ trains, stays finite and writes its outputs, not that the models are good (the
 scripts' default runs check accuracy).
 """
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,21 +14,11 @@ import pytest
 
 from benchmarks import measure, report
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_example(name):
-    # The examples are scripts, not a package: import them from their files.
-    path = ROOT / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from example_scripts import load_example
 
 
 def test_digits_amp_trains_all_modes(tmp_path):
-    digits_amp = _load_example("digits_amp")
+    digits_amp = load_example("digits_amp")
     # Batches of 32, half the default: a step costs about half (float8 is emulated on a CPU).
     # 20 steps at 3x the default learning rate: about as far as 40 at the default (73-79%
     # test accuracy measured; 67-84% with seeds 1 and 2), for half the steps. float16's
@@ -66,7 +53,7 @@ CHAR_LM_MODES = ["float32", "amp bf16", "amp f16", "bf16 kahan"]
 def char_lm_run(tmp_path_factory):
     """One run of every mode the two tests below check (each its own facts of it):
     ``(the example's module, what main returned, the plot's path)``."""
-    char_lm = _load_example("char_lm")
+    char_lm = load_example("char_lm")
     plot = tmp_path_factory.mktemp("char_lm") / "curves.png"
     argv = [*CHAR_LM_TINY, "--sample-chars", "4", "--modes", ",".join(CHAR_LM_MODES), "--plot", str(plot)]
     return char_lm, char_lm.main(argv), plot
@@ -99,7 +86,7 @@ def test_char_lm_float16_trains_with_the_scale_in_the_optimizer_state(char_lm_ru
 
 
 def test_char_lm_monitor_writes_the_report_and_suggests_a_policy(tmp_path):
-    char_lm = _load_example("char_lm")
+    char_lm = load_example("char_lm")
     # No sampled bytes: sampling is the smoke test's (it samples every mode), and monitoring
     # reaches only the training steps; without it no sampling program is compiled here.
     argv = [
@@ -191,7 +178,7 @@ def test_markdown_sections_are_replaced_by_label(tmp_path):
 
 def test_tunix_grpo_quick():
     pytest.importorskip("tunix")
-    tunix_grpo = _load_example("tunix_grpo")
+    tunix_grpo = load_example("tunix_grpo")
     out = tunix_grpo.main(["--quick"])  # f16 only: the table's f16 rows and one GRPO run
     assert set(out["gaps"]) == {"float32 everywhere", "amp f16 trainer only", "amp f16 both sides"}
     assert all(math.isfinite(g) and g >= 0 for g in out["gaps"].values())

@@ -7,10 +7,6 @@ overflows skips its step and halves its own scale; the other members' steps are
 bit for bit those of a run where nothing overflowed.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +15,7 @@ from flax import jax_utils
 
 import jaxamp
 
+from example_scripts import load_example
 from jaxpr_walk import assert_all_matmuls_in
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -28,11 +25,7 @@ MEMBERS = 4
 
 def _example(amp):
     """The example imported afresh (its pmapped functions traced anew) with `amp`."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "flax_ensemble.py"
-    spec = importlib.util.spec_from_file_location(f"example_flax_ensemble_{amp}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_example("flax_ensemble", f"example_flax_ensemble_{amp}")
     module.AMP = amp
     return module
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("KERAS_BACKEND", "jax")  # before Keras is first imported: it would pick TensorFlow
 
@@ -24,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from example_scripts import load_example
 from jaxpr_walk import assert_all_matmuls_in
 
 # Found, not imported: Keras's import (scikit-learn, pandas, scipy) takes 16 s, which
@@ -50,12 +49,7 @@ def keras():
 
 @pytest.fixture(scope="module")
 def example(keras):
-    path = Path(__file__).resolve().parents[1] / "examples" / "keras_fit.py"
-    spec = importlib.util.spec_from_file_location("example_keras_fit", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("keras_fit")
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ import pytest
 
 import jaxamp
 
+from example_scripts import load_example
+
 
 def _trained_state() -> tuple[Any, Any]:
     """`loss_scaling`'s state after a skipped and a finite step, so no field holds its default."""
@@ -120,16 +122,7 @@ def test_levanter_checkpointer_saves_and_restores_loss_scaling_state(tmp_path):
 
 def _example():
     """examples/levanter_train_lm.py, imported as a module."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "levanter_train_lm.py"
-    spec = importlib.util.spec_from_file_location("example_levanter_train_lm", path)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example
-    spec.loader.exec_module(example)
-    return example
+    return load_example("levanter_train_lm")
 
 
 def _bool_loss_masks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,6 @@ the same compiled step (the session's XLA flags and compilation cache).
 """
 
 import contextlib
-import importlib.util
 import io
 import os
 import signal
@@ -24,6 +23,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from example_scripts import load_example
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "resumable_f16.py"
 STEPS = ["--steps", "30", "--checkpoint-every", "10", "--poison-every", "7", "--batch-size", "32"]
@@ -57,9 +58,7 @@ def _run_until(checkpoint_dir, stop, *extra):
 def _finish(checkpoint_dir, dump, *extra):
     """Run the example to its end in this process; return the lines it printed."""
     # Loaded afresh each time: no function object (nor cache keyed on one) outlives a run.
-    spec = importlib.util.spec_from_file_location("example_resumable_f16", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("resumable_f16")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         example.main(_args(checkpoint_dir, "--dump", str(dump), *extra))

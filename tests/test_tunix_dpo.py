@@ -14,31 +14,18 @@ skipped one) and bfloat16's by 0.0003. Bound: 0.01, a tenth of what the
 steps move it by.
 """
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+
+from example_scripts import load_example
 
 pytest.importorskip("tunix")
 pytest.importorskip("qwix")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # Tunix calls gc.collect() as it builds its trainers and learners.
 pytestmark = pytest.mark.usefixtures("earlier_objects_frozen")
-
-
-def load_example(name: str):
-    # The examples are scripts, not a package: import them from their files.
-    path = ROOT / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_tunix_dpo_quick_float16_skips_the_overflowing_step():
