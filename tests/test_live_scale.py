@@ -201,6 +201,63 @@ def test_inside_multisteps_a_real_step_is_skipped_iff_a_micro_batch_of_it_overfl
         np.testing.assert_array_equal(w, want_w, err_msg=placement)
 
 
+# Micro-batches of models A (0) and B (1), each with MultiSteps of 2: (model, overflows).
+MICRO_BATCHES = {
+    "one_after_the_other": [(0, False), (0, True), (1, False), (1, False), (1, False), (1, False)],
+    "interleaved": [(0, True), (1, False), (0, False), (1, False), (1, False), (1, False)],
+}
+
+
+def _two_models_in_multisteps(shared, second_params, micro_batches):
+    """Each model's parameters, scale and skipped real steps after `micro_batches`: A's first real step overflows.
+
+    One `loss_scaling` transformation for both (`shared`), or one each, inside
+    ``MultiSteps`` of 2 (Tunix's order: amp hands back zeros and flags).
+    """
+    scalings = [jaxamp.loss_scaling(optax.sgd(0.1))]
+    scalings.append(scalings[0] if shared else jaxamp.loss_scaling(optax.sgd(0.1)))
+    txs = [optax.MultiSteps(scaling, 2) for scaling in scalings]
+    params = [_params(), second_params]
+    states = [tx.init(w) for tx, w in zip(txs, params)]
+
+    def loss(params, x, y):  # B's parameters may sit in a dict: another structure
+        return _loss(params["w"] if isinstance(params, dict) else params, x, y)
+
+    def stepper(tx, scaling):
+        grad = jax.grad(jaxamp.amp(loss, compute_dtype="f16", loss_scale=scaling))
+
+        @jax.jit
+        def step(w, opt_state, x, y):
+            updates, opt_state = tx.update(grad(w, x, y), opt_state, w)
+            return optax.apply_updates(w, updates), opt_state
+
+        return step
+
+    steps = [stepper(tx, scaling) for tx, scaling in zip(txs, scalings)]
+    for model, overflow in micro_batches:
+        params[model], states[model] = steps[model](params[model], states[model], *_batch(overflow=overflow))
+    return [(w, _scale(s.inner_opt_state), _skipped(s.inner_opt_state)) for w, s in zip(params, states)]
+
+
+@pytest.mark.parametrize("order", list(MICRO_BATCHES))
+@pytest.mark.parametrize("second", ["same_structure", "other_structure"])
+def test_inside_multisteps_one_transformation_for_two_models_keeps_each_models_overflows_apart(second, order):
+    # Model A's overflowing real step must not skip model B's clean ones, and
+    # B's micro-batches between A's must not make A forget its overflow: each
+    # flag is its model's. Models of one structure differ by their parameters.
+    second_params = _params() * 0.5 if second == "same_structure" else {"w": _params() * 0.5}
+    want = _two_models_in_multisteps(False, second_params, MICRO_BATCHES[order])
+    assert [(scale, skipped) for _, scale, skipped in want] == [(2.0**14, 1), (2.0**15, 0)]
+    with pytest.warns(UserWarning, match="serves more than one optimizer state"):
+        got = _two_models_in_multisteps(True, second_params, MICRO_BATCHES[order])
+        jax.effects_barrier()
+    for (w, scale, skipped), (want_w, want_scale, want_skipped) in zip(got, want):
+        assert (scale, skipped) == (want_scale, want_skipped)
+        # B's backward pass ran at A's scale (2^14, not its 2^15): float16 may round otherwise.
+        for a, b in zip(jax.tree_util.tree_leaves(w), jax.tree_util.tree_leaves(want_w)):
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("jit_init", [False, True], ids=["eager_init", "jitted_init"])
 def test_multisteps_around_the_live_scale_gets_zeros_and_an_unwrapped_one_nan(jit_init):
     # MultiSteps resets its accumulator by multiplying it by 0, which keeps a

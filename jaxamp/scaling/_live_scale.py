@@ -23,16 +23,20 @@ Where an optax wrapper that cannot take a NaN holds the transformation
 accumulator by multiplying it by 0; ``apply_if_finite`` would keep the scale
 from shrinking), its init tells the cells so, and the backward pass hands back
 zeros and sets a flag the update reads instead. The update skips a step whose
-flag was set since the last update that was committed, so inside
-``MultiSteps`` (whose wrapped update runs at every micro-batch, its state kept
-only at the real step) one overflowing micro-batch skips the real step. It
-knows a committed update from a discarded one by the state it is handed: the
-one its last call produced (committed) or an older one (discarded).
+flag was set since the last update that was committed for the same model, so
+inside ``MultiSteps`` (whose wrapped update runs at every micro-batch, its
+state kept only at the real step) one overflowing micro-batch skips the real
+step. It knows a committed update from a discarded one by the state it is
+handed: the one its last call for that model produced (committed) or an older
+one (discarded); and a model by its gradients' structure and its parameters'
+sum (`model_identity`), so a transformation serving several keeps each one's
+overflows apart.
 """
 
 from __future__ import annotations
 
 import warnings
+import zlib
 from typing import Any
 
 import jax
@@ -40,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
+from ._finite import is_inexact_leaf
 
-__all__ = ["LiveScale", "find_live_scale", "replicated_like"]
+__all__ = ["LiveScale", "ModelIdentity", "find_live_scale", "model_identity", "replicated_like"]
 
 
 class LiveScale:
@@ -80,14 +85,22 @@ class LiveScale:
             "overflow": np.bool_(False),
             # an update ran since amp's last backward pass: the next one starts the flag anew.
             "after_update": np.bool_(True),
-            # an overflow since the last committed update, as of the last update.
-            "window": np.bool_(False),
-            # that overflow was at a stale scale (it says nothing of the state's).
-            "window_stale": np.bool_(False),
             # what the last update produced (scale, count, total_resets); -1: none yet.
             "last_scale": np.float32(-1.0),
             "last_count": np.int32(-1),
             "last_resets": np.int32(-1),
+            # Inside MultiSteps, a slot per model (`model_identity`; structure -1: free) updated lately:
+            # what its last update produced, and its window: an overflow since its
+            # last committed update, and whether at a stale scale (it says nothing of the state's).
+            "slot_structure": np.full(_SLOTS, -1, np.int32),
+            "slot_checksum": np.zeros(_SLOTS, np.int32),
+            "slot_scale": np.full(_SLOTS, -1.0, np.float32),
+            "slot_count": np.full(_SLOTS, -1, np.int32),
+            "slot_resets": np.full(_SLOTS, -1, np.int32),
+            "slot_window": np.zeros(_SLOTS, np.bool_),
+            "slot_window_stale": np.zeros(_SLOTS, np.bool_),
+            # the slot a model without one takes next (the least lately taken).
+            "slot_next": np.int32(0),
         } | self._followed
 
     def _make(self, sharding: Any) -> dict[str, Any]:
@@ -242,22 +255,17 @@ class LiveScale:
     def _is_last(self, scaler_state: Any) -> jax.Array:
         """Whether `scaler_state` is the one this transformation's last update made (scale, count and resets)."""
         c = self.cells()
-        handed = (
-            jnp.asarray(scaler_state.scaler, jnp.float32),
-            jnp.asarray(scaler_state.count, jnp.int32),
-            jnp.asarray(scaler_state.total_resets, jnp.int32),
-        )
-        last = (c["last_scale"][...], c["last_count"][...], c["last_resets"][...])
-        return jnp.all(jnp.stack([a == b for a, b in zip(handed, last)]))
+        return _same_state(scaler_state, (c["last_scale"][...], c["last_count"][...], c["last_resets"][...]))
 
     def _warn_foreign(self, ran_at: Any, own: Any) -> None:
         if self._warned_foreign:
             return
         self._warned_foreign = True
         warnings.warn(
-            f"jaxamp.loss_scaling's live scale ran a backward pass at {float(ran_at):g}, but the optimizer "
-            f"state its update was handed holds the scale {float(own):g}: the state was rolled back to an "
-            "earlier copy, or this transformation serves more than one optimizer state. amp reads the "
+            "jaxamp.loss_scaling's live scale follows the optimizer state its update made last, but the "
+            f"update was handed another (amp's backward pass ran at {float(ran_at):g}, the state holds the "
+            f"scale {float(own):g}): the state was rolled back to an earlier copy, or this transformation "
+            "serves more than one optimizer state. amp reads the "
             "scale of whichever state this transformation updated last, so such a state's steps run at "
             "another's scale (an overflow above its own is skipped and leaves its scale as it was). "
             "Build one jaxamp.loss_scaling per optimizer state, or give amp the state: "
@@ -266,14 +274,19 @@ class LiveScale:
             stacklevel=2,
         )
 
-    def overflow_since_commit(self, scaler_state: Any) -> tuple[jax.Array, jax.Array]:
-        """Whether amp overflowed since the last update whose result was kept, and whether at a stale scale.
+    def overflow_since_commit(self, scaler_state: Any, model: ModelIdentity) -> tuple[jax.Array, jax.Array]:
+        """Whether amp overflowed since `model`'s last update whose result was kept, and whether at a stale scale.
 
-        `scaler_state` is the state the update is handed. The last call's
-        result was kept where it is that state (inside ``MultiSteps`` a
-        micro-batch's update is dropped until the real step). A repeated value
-        (a call that changed none of scale, count and resets) leaves the window
-        as it was, which was empty: such a call saw no overflow.
+        `scaler_state` is the state the update is handed, `model` what it is
+        handed it for (`model_identity`). Each model's window is its own: the
+        last call for it was kept where it made this state; otherwise it was
+        dropped (inside ``MultiSteps`` a micro-batch's update is, until the
+        real step), and the window carries on. A model the slots do not hold
+        (its first update, or its first micro-batch since the parameters moved)
+        has nothing to carry. A state the cells did not follow (another model's,
+        or one rolled back) is said once, as `ran_above` says it. A repeated
+        value (a call that changed none of scale, count and resets) leaves the
+        window as it was, which was empty: such a call saw no overflow.
 
         Stale: this is the cells' first update and the scale amp read is not
         the state's, as on the first step after a checkpoint restored the
@@ -282,23 +295,100 @@ class LiveScale:
         the state's scale.
         """
         c = self.cells()
-        kept = self._is_last(scaler_state)
-        carried = jnp.where(kept, False, c["window"][...])
+        own = jnp.asarray(scaler_state.scaler, jnp.float32)
+        found, slot = self._slot_of(model)
+        made = (c["slot_scale"][...][slot], c["slot_count"][...][slot], c["slot_resets"][...][slot])
+        carried = found & ~_same_state(scaler_state, made) & c["slot_window"][...][slot]
+        first = c["last_scale"][...] < 0
+        foreign = ~first & ~found & ~self._is_last(scaler_state)
+        ran_at = jnp.where(c["ran_at"][...] < 0, c["scale"][...], c["ran_at"][...])
+        jax.lax.cond(foreign, lambda: jax.debug.callback(self._warn_foreign, ran_at, own), lambda: None)
         fresh = c["overflow"][...]
-        read_stale = (c["last_scale"][...] < 0) & (c["scale"][...] != jnp.asarray(scaler_state.scaler, jnp.float32))
-        stale = read_stale | (carried & c["window_stale"][...] & ~fresh)
+        read_stale = first & (c["scale"][...] != own)
+        stale = read_stale | (carried & c["slot_window_stale"][...][slot] & ~fresh)
         return carried | fresh, stale
 
-    def commit(self, overflow: jax.Array, stale: jax.Array, scaler_state: Any) -> None:
-        """The update's end: the window it decided on (stale or not), the state it made, the scale amp reads next."""
+    def _slot_of(self, model: ModelIdentity) -> tuple[jax.Array, jax.Array]:
+        """Whether a slot holds `model`, and that slot (else the one it takes)."""
         c = self.cells()
-        c["window"][...] = overflow
-        c["window_stale"][...] = overflow & stale
+        structure, checksum = model
+        matches = c["slot_structure"][...] == structure
+        if checksum is not None:
+            matches &= c["slot_checksum"][...] == checksum
+        found = jnp.any(matches)
+        return found, jnp.where(found, jnp.argmax(matches), c["slot_next"][...]).astype(jnp.int32)
+
+    def commit(self, overflow: jax.Array, stale: jax.Array, scaler_state: Any, model: ModelIdentity | None) -> None:
+        """The update's end: the state it made, the scale amp reads next, and `model`'s window (stale or not).
+
+        `model` is what the update was handed the state for (`model_identity`),
+        where the window is kept (inside ``MultiSteps``); None elsewhere.
+        """
+        c = self.cells()
+        made = (
+            jnp.asarray(scaler_state.scaler, jnp.float32),
+            jnp.asarray(scaler_state.count, jnp.int32),
+            jnp.asarray(scaler_state.total_resets, jnp.int32),
+        )
+        if model is not None:
+            found, slot = self._slot_of(model)
+            structure, checksum = model
+            checksum = jnp.int32(0) if checksum is None else checksum
+            for name, value in (
+                ("slot_structure", jnp.int32(structure)),
+                ("slot_checksum", checksum),
+                ("slot_scale", made[0]),
+                ("slot_count", made[1]),
+                ("slot_resets", made[2]),
+                ("slot_window", overflow),
+                ("slot_window_stale", overflow & stale),
+            ):
+                c[name][...] = c[name][...].at[slot].set(value)
+            c["slot_next"][...] = jnp.where(found, c["slot_next"][...], (slot + 1) % _SLOTS).astype(jnp.int32)
         c["after_update"][...] = jnp.array(True)
-        c["last_scale"][...] = jnp.asarray(scaler_state.scaler, jnp.float32)
-        c["last_count"][...] = jnp.asarray(scaler_state.count, jnp.int32)
-        c["last_resets"][...] = jnp.asarray(scaler_state.total_resets, jnp.int32)
-        c["scale"][...] = jnp.asarray(scaler_state.scaler, jnp.float32)
+        c["last_scale"][...], c["last_count"][...], c["last_resets"][...] = made
+        c["scale"][...] = made[0]
+
+
+def _same_state(scaler_state: Any, made: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """Whether `scaler_state` holds the scale, count and resets `made` (an update's result)."""
+    handed = (
+        jnp.asarray(scaler_state.scaler, jnp.float32),
+        jnp.asarray(scaler_state.count, jnp.int32),
+        jnp.asarray(scaler_state.total_resets, jnp.int32),
+    )
+    return jnp.all(jnp.stack([a == b for a, b in zip(handed, made)]))
+
+
+# How many models one transformation keeps a window for, inside MultiSteps:
+# those whose micro-batches interleave within a real step.
+_SLOTS = 4
+
+# What an update is handed an optimizer state for: its gradients' structure (a
+# number, the same in every process) and a checksum of its parameters (None: none given).
+ModelIdentity = tuple[int, Any]
+
+
+def model_identity(grads: Any, params: Any) -> ModelIdentity:
+    """What tells one model's updates from another's: `grads`' structure, and a checksum of `params`.
+
+    The structure tells models of different shapes apart; the checksum, the
+    parameters' bits summed (moved by every real step, left as they were by
+    ``MultiSteps``' micro-batches), models of one shape. Integers, wrapping:
+    the sum is the same whatever order a program adds them in, and a zero's
+    sign (which adding a zero update can flip) does not count.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    shapes = [(jnp.shape(x), str(jnp.result_type(x))) for x in leaves if is_inexact_leaf(x)]
+    structure = zlib.crc32(f"{treedef}{shapes}".encode()) & 0x7FFFFFFF
+    floating = [x for x in jax.tree_util.tree_leaves(params) if is_inexact_leaf(x) and not jnp.iscomplexobj(x)]
+    sums = [_bits_sum(x) for x in floating]
+    return structure, (jnp.sum(jnp.stack(sums), dtype=jnp.int32) if sums else None)
+
+
+def _bits_sum(x: Any) -> jax.Array:
+    x = jnp.asarray(x, jnp.float32)
+    return jnp.sum(jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32), dtype=jnp.int32)
 
 
 def _replicated(mesh: Any) -> Any:

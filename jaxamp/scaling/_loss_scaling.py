@@ -29,7 +29,7 @@ from .. import _compat
 from .._dtypes import array_part
 from ._dynamic_scaler import DynamicScalerState, host_scaler_state, next_scaler_state
 from ._finite import AxisName, check_axis_name, select_tree
-from ._live_scale import LiveScale
+from ._live_scale import LiveScale, model_identity
 from ._optax import check_optimizer, gradients_finite, update_if_finite
 from ._scale_uses import check_live_use, check_scale_use, read_since_update
 
@@ -288,10 +288,11 @@ def _scaled(
                     "the vmapped function: jaxamp.amp(loss, compute_dtype='f16', loss_scale=opt_state)."
                 )
             reads_cells = False  # the overflow is in the gradients, as with the state
-        stale = None
+        stale = model = None
         if reads_cells and live.zeros_on_overflow:
             # A wrapper that cannot take a NaN: the overflow is in the flag.
-            overflow, stale = live.overflow_since_commit(state.scaler_state)
+            model = model_identity(grads, None if params is None else array_part(params))
+            overflow, stale = live.overflow_since_commit(state.scaler_state, model)
             finite = finite & ~overflow
         elif reads_cells:
             stale = live.ran_above(state.scaler_state)
@@ -317,7 +318,7 @@ def _scaled(
             moved = new_state.scaler_state
             kept_scale = moved._replace(scaler=state.scaler_state.scaler, count=state.scaler_state.count)
             new_state = new_state._replace(scaler_state=select_tree(stale & ~finite, kept_scale, moved))
-            live.commit(~finite, stale, new_state.scaler_state)
+            live.commit(~finite, stale, new_state.scaler_state, model)
         return steps, new_state
 
     update._jaxamp_live_scale = live  # type: ignore[attr-defined]
