@@ -258,6 +258,26 @@ def test_inside_multisteps_one_transformation_for_two_models_keeps_each_models_o
             np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
 
 
+def test_inside_multisteps_a_discarded_overflow_flags_the_next_real_step():
+    # Inside MultiSteps the overflow is a flag in the cells, not in the
+    # gradient (docs/loss_scaling.md): a probe's overflowing gradient, never
+    # applied, still skips the next real step. It errs towards a skipped step,
+    # never an applied overflow.
+    scaling = jaxamp.loss_scaling(optax.sgd(0.1))
+    tx = optax.MultiSteps(scaling, 2)
+    step = _stepper(tx, scaling)
+    w = _params()
+    opt_state = tx.init(w)
+    jax.grad(jaxamp.amp(_loss, compute_dtype="f16", loss_scale=scaling))(w, *_batch(overflow=True))
+    for _ in range(2):
+        new_w, opt_state, _ = step(w, opt_state, *_batch())
+    np.testing.assert_array_equal(new_w, w)
+    assert _skipped(opt_state.inner_opt_state) == 1
+    for _ in range(2):  # the next real step is taken
+        new_w, opt_state, _ = step(new_w, opt_state, *_batch())
+    assert _skipped(opt_state.inner_opt_state) == 1 and not np.array_equal(new_w, w)
+
+
 @pytest.mark.parametrize("jit_init", [False, True], ids=["eager_init", "jitted_init"])
 def test_multisteps_around_the_live_scale_gets_zeros_and_an_unwrapped_one_nan(jit_init):
     # MultiSteps resets its accumulator by multiplying it by 0, which keeps a
