@@ -28,9 +28,9 @@ inside ``MultiSteps`` (whose wrapped update runs at every micro-batch, its
 state kept only at the real step) one overflowing micro-batch skips the real
 step. It knows a committed update from a discarded one by the state it is
 handed: the one its last call for that model produced (committed) or an older
-one (discarded); and a model by its gradients' structure and its parameters'
-sum (`model_identity`), so a transformation serving several keeps each one's
-overflows apart.
+one (discarded); and a model by its gradients' structure and a checksum of
+its parameters (`model_identity`), so a transformation serving several keeps
+each one's overflows apart.
 """
 
 from __future__ import annotations
@@ -325,11 +325,7 @@ class LiveScale:
         where the window is kept (inside ``MultiSteps``); None elsewhere.
         """
         c = self.cells()
-        made = (
-            jnp.asarray(scaler_state.scaler, jnp.float32),
-            jnp.asarray(scaler_state.count, jnp.int32),
-            jnp.asarray(scaler_state.total_resets, jnp.int32),
-        )
+        made = _summary(scaler_state)
         if model is not None:
             found, slot = self._slot_of(model)
             structure, checksum = model
@@ -350,14 +346,18 @@ class LiveScale:
         c["scale"][...] = made[0]
 
 
-def _same_state(scaler_state: Any, made: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-    """Whether `scaler_state` holds the scale, count and resets `made` (an update's result)."""
-    handed = (
+def _summary(scaler_state: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`scaler_state`'s scale, count and resets, in the cells' dtypes."""
+    return (
         jnp.asarray(scaler_state.scaler, jnp.float32),
         jnp.asarray(scaler_state.count, jnp.int32),
         jnp.asarray(scaler_state.total_resets, jnp.int32),
     )
-    return jnp.all(jnp.stack([a == b for a, b in zip(handed, made)]))
+
+
+def _same_state(scaler_state: Any, made: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """Whether `scaler_state` holds the scale, count and resets `made` (an update's result)."""
+    return jnp.all(jnp.stack([a == b for a, b in zip(_summary(scaler_state), made)]))
 
 
 # How many models one transformation keeps a window for, inside MultiSteps:
