@@ -243,14 +243,21 @@ class LiveScale:
         rollback or a second state: said once.
         """
         c = self.cells()
-        ran_at = c["ran_at"][...]
-        ran_at = jnp.where(ran_at < 0, c["scale"][...], ran_at)
-        own = jnp.asarray(scaler_state.scaler, jnp.float32)
+        ran_at, own = self._ran_at(), jnp.asarray(scaler_state.scaler, jnp.float32)
         first = c["last_scale"][...] < 0
         followed = first | self._is_last(scaler_state)
         foreign = ~followed & (ran_at != own)
-        jax.lax.cond(foreign, lambda: jax.debug.callback(self._warn_foreign, ran_at, own), lambda: None)
+        self._say_if_foreign(foreign, ran_at, own)
         return (first | foreign) & (ran_at > own)
+
+    def _ran_at(self) -> jax.Array:
+        """The scale amp's last backward pass ran at (the cells' scale where none ran yet)."""
+        c = self.cells()
+        return jnp.where(c["ran_at"][...] < 0, c["scale"][...], c["ran_at"][...])
+
+    def _say_if_foreign(self, foreign: jax.Array, ran_at: jax.Array, own: jax.Array) -> None:
+        """Warn once, when the step runs, where `foreign`: the update was handed a state the cells did not follow."""
+        jax.lax.cond(foreign, lambda: jax.debug.callback(self._warn_foreign, ran_at, own), lambda: None)
 
     def _is_last(self, scaler_state: Any) -> jax.Array:
         """Whether `scaler_state` is the one this transformation's last update made (scale, count and resets)."""
@@ -301,8 +308,7 @@ class LiveScale:
         carried = found & ~_same_state(scaler_state, made) & c["slot_window"][...][slot]
         first = c["last_scale"][...] < 0
         foreign = ~first & ~found & ~self._is_last(scaler_state)
-        ran_at = jnp.where(c["ran_at"][...] < 0, c["scale"][...], c["ran_at"][...])
-        jax.lax.cond(foreign, lambda: jax.debug.callback(self._warn_foreign, ran_at, own), lambda: None)
+        self._say_if_foreign(foreign, self._ran_at(), own)
         fresh = c["overflow"][...]
         read_stale = first & (c["scale"][...] != own)
         stale = read_stale | (carried & c["slot_window_stale"][...][slot] & ~fresh)
